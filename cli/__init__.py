@@ -1,0 +1,29 @@
+"""The `gradq` command: one entry point whose subcommands live with the layer they run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# Subcommand -> module with a `main(argv)`; imported only when chosen, so
+# `gradq serve` never loads torch and `gradq --help` loads nothing.
+_SUBCOMMANDS = {
+    "serve": ("gradq.server.cli", "run the aggregator (one process per shard)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``gradq <subcommand> ...``; returns the process exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="gradq", description="Quantized gradient aggregation for PyTorch DDP.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, summary) in _SUBCOMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    if not args or args[0] not in _SUBCOMMANDS:
+        parser.print_help(sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    module = importlib.import_module(_SUBCOMMANDS[args[0]][0])
+    return int(module.main(args[1:]) or 0)

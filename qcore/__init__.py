@@ -1,0 +1,48 @@
+"""gradq's quantization core: grids, observers, fused codecs and bit packing (numpy only)."""
+
+from gradq.qcore.codec import (
+    METADATA_BYTES,
+    QuantizedArray,
+    decode,
+    decode_accumulate,
+    encode,
+    fake_quantize,
+    wire_size,
+)
+from gradq.qcore.error_feedback import ErrorFeedback
+from gradq.qcore.observers import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PercentileObserver,
+    PerChannelMinMaxObserver,
+    calculate_qparams,
+    observer_for,
+)
+from gradq.qcore.packing import pack_bits, packed_size, unpack_bits
+from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme
+
+__all__ = [
+    "DEFAULT_CHANNEL_SIZE",
+    "METADATA_BYTES",
+    "ErrorFeedback",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "PercentileObserver",
+    "QuantConfig",
+    "QuantizedArray",
+    "Rounding",
+    "Scheme",
+    "calculate_qparams",
+    "decode",
+    "decode_accumulate",
+    "encode",
+    "fake_quantize",
+    "observer_for",
+    "pack_bits",
+    "packed_size",
+    "unpack_bits",
+    "wire_size",
+]
