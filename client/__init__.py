@@ -1,0 +1,5 @@
+"""The gradq worker client (numpy API); the DDP adapter builds on it."""
+
+from gradq.client.worker import AggregationError, WorkerClient, shard_for
+
+__all__ = ["AggregationError", "WorkerClient", "shard_for"]

@@ -1,0 +1,60 @@
+"""The worker's side of the wire: requests out, responses in.
+
+The only client module that builds or reads ``_pb2`` messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradq.proto.convert import tensor_from_proto, tensor_to_proto
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantizedArray, decode
+
+__all__ = ["PulledMean", "push_pull_request", "mean_from_proto", "join_request", "leave_request"]
+
+
+@dataclass(frozen=True, slots=True)
+class PulledMean:
+    """A round's answer as the worker sees it."""
+
+    values: np.ndarray  # float32, flat
+    contributors: int
+    partial: bool
+    missing_ranks: tuple[int, ...]
+    wire_bytes: int  # size of the encoded mean received
+
+
+def join_request(job_id: str, rank: int, world_size: int) -> pb.JoinRequest:
+    """A Join for one rank."""
+    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size)
+
+
+def leave_request(job_id: str, rank: int) -> pb.LeaveRequest:
+    """A Leave for one rank."""
+    return pb.LeaveRequest(job_id=job_id, rank=rank)
+
+
+def push_pull_request(job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> pb.PushPullRequest:
+    """One contribution to round (job, step, bucket)."""
+    return pb.PushPullRequest(job_id=job_id, step=step, bucket=bucket, rank=rank, tensor=tensor_to_proto(tensor))
+
+
+def mean_from_proto(response: pb.PushPullResponse, numel: int) -> PulledMean:
+    """Check and decode the mean the aggregator sent back.
+
+    Raises:
+        ValueError: the mean is malformed or has a different element count than was pushed.
+    """
+    mean = tensor_from_proto(response.mean, "mean")
+    if mean.numel != numel:
+        raise ValueError(f"mean.numel={mean.numel} does not match the {numel} elements pushed")
+    return PulledMean(
+        values=decode(mean),
+        contributors=response.contributors,
+        partial=response.partial,
+        missing_ranks=tuple(response.missing_ranks),
+        wire_bytes=mean.nbytes,
+    )

@@ -1,0 +1,245 @@
+"""WorkerClient: push a quantized bucket to its aggregator shard and pull back the mean."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+import numpy as np
+
+from gradq.client import serde
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.qcore import ErrorFeedback, QuantConfig, encode
+
+__all__ = ["WorkerClient", "AggregationError", "shard_for", "DEFAULT_MAX_MESSAGE_BYTES"]
+
+log = logging.getLogger(__name__)
+
+# Same ceiling as the aggregator's default: a 256 MB fp32 bucket must pass.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+class AggregationError(RuntimeError):
+    """A call to an aggregator that produced no mean; says which aggregator and why."""
+
+    def __init__(self, address: str, code: grpc.StatusCode | None, details: str) -> None:
+        status = code.name if code is not None else "BAD_RESPONSE"
+        super().__init__(f"aggregator {address}: {status}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+def shard_for(bucket: int, shards: int) -> int:
+    """The shard that owns ``bucket``: same answer in every process, buckets spread round-robin.
+
+    DDP numbers buckets 0..B-1, so the modulus balances shards exactly where a
+    random hash could pile two large buckets on one shard.
+    """
+    return bucket % shards
+
+
+class WorkerClient:
+    """One rank's connection to a job on one or more aggregator shards.
+
+    Args:
+        addresses: ``host:port`` of each shard (a single string for one).
+        job_id: names the job; every rank of it uses the same id.
+        rank: this worker's rank, 0..world_size-1.
+        world_size: ranks in the job.
+        config: how buckets are quantized on the way out.
+        error_feedback: keep a residual per bucket so quantization error is
+            carried into the next step instead of lost.
+        timeout_s: deadline of each RPC; keep it above the aggregator's round
+            timeout so its "missing ranks" answer arrives first.
+        max_retries: retries of a call that failed with UNAVAILABLE; each
+            retry rejoins and resends the same (step, bucket, rank), which the
+            aggregator never counts twice.
+        retry_backoff_s: first retry delay, doubled on each retry.
+        max_message_bytes: gRPC send/receive limit.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        job_id: str,
+        rank: int,
+        world_size: int,
+        config: QuantConfig | None = None,
+        *,
+        error_feedback: bool = False,
+        timeout_s: float = 120.0,
+        max_retries: int = 5,
+        retry_backoff_s: float = 0.2,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
+            raise ValueError(f"addresses={addresses!r} is invalid; expected one or more 'host:port' strings")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} is invalid; expected >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is out of range; expected 0..{world_size - 1}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} is invalid; expected > 0")
+        if max_retries < 0:
+            raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config or QuantConfig()
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._error_feedback = ErrorFeedback() if error_feedback else None
+        # Per-rank stream so stochastic rounding is independent across ranks.
+        self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._channels = [grpc.insecure_channel(address, options=options) for address in self.addresses]
+        self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
+        self._joined = [False] * len(self.addresses)
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Join the job on every shard, waiting up to ``timeout_s`` for each to come up.
+
+        Raises:
+            AggregationError: a shard refused the join or could not be reached.
+        """
+        for shard in range(len(self._stubs)):
+            self._join_shard(shard)
+
+    def _join_shard(self, shard: int) -> None:
+        request = serde.join_request(self.job_id, self.rank, self.world_size)
+        try:
+            self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True)
+        except grpc.RpcError as error:
+            raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
+        self._joined[shard] = True
+
+    def close(self) -> None:
+        """Leave the job on every shard joined (best effort) and close the channels."""
+        request = serde.leave_request(self.job_id, self.rank)
+        for shard, stub in enumerate(self._stubs):
+            if self._joined[shard]:
+                try:
+                    stub.Leave(request, timeout=min(self.timeout_s, 5.0))
+                except grpc.RpcError as error:
+                    log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
+                self._joined[shard] = False
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        self.join()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- push / pull ---------------------------------------------------------------------------
+
+    def push_pull(self, step: int, bucket: int, array: np.ndarray) -> np.ndarray:
+        """Contribute ``array`` to round (step, bucket) and return the mean over all ranks.
+
+        Args:
+            step: training step; every rank uses the same numbering.
+            bucket: bucket index within the step; picks the shard.
+            array: this rank's values (any float array; flattened on the wire).
+
+        Returns:
+            float32 array of ``array``'s shape holding the decoded mean.
+
+        Raises:
+            AggregationError: the round failed (e.g. ranks missing at its
+                deadline) or the aggregator could not be reached.
+        """
+        return self.push_pull_async(step, bucket, array).result()
+
+    def push_pull_async(self, step: int, bucket: int, array: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
+        """Like ``push_pull`` but returns at once; the gRPC completion callback fills the future.
+
+        Quantization happens on the calling thread before this returns, so the
+        caller may reuse ``array`` immediately.
+        """
+        shard = shard_for(bucket, len(self._stubs))
+        if not self._joined[shard]:
+            self._join_shard(shard)
+        values = np.asarray(array)
+        if self._error_feedback is not None:
+            tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
+        else:
+            tensor = encode(values, self.config, rng=self._rng)
+        request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor)
+        with self._lock:
+            self.bytes_sent += tensor.nbytes
+        pending = _PendingPush(shard, request, values.shape, tensor.numel, concurrent.futures.Future())
+        self._send(pending)
+        return pending.result
+
+    def _send(self, pending: _PendingPush) -> None:
+        call = self._stubs[pending.shard].PushPull.future(pending.request, timeout=self.timeout_s)
+        call.add_done_callback(lambda done: self._on_reply(done, pending))
+
+    def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:
+        code = call.code()
+        address = self.addresses[pending.shard]
+        if code == grpc.StatusCode.OK:
+            try:
+                mean = serde.mean_from_proto(call.result(), pending.numel)
+            except ValueError as error:
+                pending.result.set_exception(AggregationError(address, None, str(error)))
+                return
+            with self._lock:
+                self.bytes_received += mean.wire_bytes
+            if mean.partial:
+                log.warning("aggregator %s averaged %d ranks; missing %s", address, mean.contributors,
+                            list(mean.missing_ranks))
+            pending.result.set_result(mean.values.reshape(pending.shape))
+        elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
+            pending.attempt += 1
+            delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
+            log.info("aggregator %s unavailable; retry %d/%d in %.2f s", address, pending.attempt,
+                     self.max_retries, delay)
+            timer = threading.Timer(delay, self._retry, (pending,))
+            timer.daemon = True
+            timer.start()
+        else:
+            pending.result.set_exception(AggregationError(address, code, call.details() or ""))
+
+    def _retry(self, pending: _PendingPush) -> None:
+        # A restarted aggregator has forgotten the job: rejoin (idempotent; waits
+        # up to timeout_s for the shard to come back), then resend the same push.
+        try:
+            self._join_shard(pending.shard)
+        except AggregationError as error:
+            pending.result.set_exception(error)
+            return
+        self._send(pending)
+
+
+@dataclass(slots=True)
+class _PendingPush:
+    """A push in flight: everything a retry needs to resend it unchanged."""
+
+    shard: int
+    request: pb.PushPullRequest
+    shape: tuple[int, ...]
+    numel: int
+    result: concurrent.futures.Future[np.ndarray]
+    attempt: int = 0

@@ -1,0 +1,113 @@
+"""QuantizedTensor (protobuf) <-> QuantizedArray (qcore), validating untrusted input.
+
+Both the aggregator and the worker client go through here, so a malformed
+tensor is rejected with the same message whichever side receives it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantizedArray, Scheme
+
+__all__ = ["tensor_to_proto", "tensor_from_proto", "ALLOWED_DTYPES"]
+
+# Element types a sender may declare; the receiver casts the mean back to it.
+ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+_FLOAT_BITS = {Scheme.FLOAT32: 32, Scheme.FLOAT16: 16}
+
+
+def tensor_to_proto(q: QuantizedArray) -> pb.QuantizedTensor:
+    """Wrap a QuantizedArray in its wire message (one copy of each array)."""
+    return pb.QuantizedTensor(
+        scheme=int(q.scheme),
+        bits=q.bits,
+        numel=q.numel,
+        channel_size=q.channel_size,
+        scale=q.scale.astype("<f4", copy=False).tobytes(),
+        zero_point=q.zero_point.astype("<i4", copy=False).tobytes(),
+        payload=q.payload.tobytes(),
+        dtype=q.dtype,
+    )
+
+
+def _expected_channels(scheme: Scheme, numel: int, channel_size: int) -> int:
+    if not scheme.is_quantized:
+        return 0
+    if not scheme.is_per_channel:
+        return 1
+    return -(-numel // channel_size)
+
+
+def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> QuantizedArray:
+    """Check a wire tensor field by field and view it as a QuantizedArray (no payload copy).
+
+    Args:
+        message: the received QuantizedTensor.
+        field: the message's name in its parent, used in error messages.
+
+    Returns:
+        The QuantizedArray; its arrays are read-only views of the message bytes.
+
+    Raises:
+        ValueError: naming the offending field, its value and what was expected.
+    """
+    try:
+        scheme = Scheme(message.scheme)
+    except ValueError:
+        names = ", ".join(f"{s.value} ({s.name})" for s in Scheme)
+        raise ValueError(f"{field}.scheme={message.scheme} is not a known scheme; expected one of {names}") from None
+    bits, numel, channel_size = message.bits, message.numel, message.channel_size
+    if scheme.is_quantized:
+        lowest = 2 if scheme.is_symmetric else 1
+        if not lowest <= bits <= 8:
+            raise ValueError(f"{field}.bits={bits} is invalid for {scheme.name}; expected {lowest}..8")
+    elif bits != _FLOAT_BITS[scheme]:
+        raise ValueError(f"{field}.bits={bits} is invalid for {scheme.name}; expected {_FLOAT_BITS[scheme]}")
+    if scheme.is_per_channel:
+        if channel_size < 1:
+            raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected >= 1 for {scheme.name}")
+    elif channel_size != max(numel, 1) and channel_size != numel:
+        raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected numel={numel} for {scheme.name}")
+    payload_bytes = (numel * bits + 7) // 8
+    if len(message.payload) != payload_bytes:
+        raise ValueError(
+            f"{field}.payload has {len(message.payload)} bytes; expected ceil(numel * bits / 8) = "
+            f"{payload_bytes} for numel={numel}, bits={bits}"
+        )
+    channels = _expected_channels(scheme, numel, channel_size)
+    for name in ("scale", "zero_point"):
+        size = len(getattr(message, name))
+        if size != 4 * channels:
+            raise ValueError(
+                f"{field}.{name} has {size} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
+            )
+    scale = np.frombuffer(message.scale, "<f4")
+    zero_point = np.frombuffer(message.zero_point, "<i4")
+    bad_scale = ~(np.isfinite(scale) & (scale > 0))
+    if bad_scale.any():
+        index = int(np.flatnonzero(bad_scale)[0])
+        raise ValueError(f"{field}.scale[{index}]={scale[index]!r} is invalid; expected a finite number > 0")
+    if scheme.is_quantized:
+        qmax = (1 << bits) - 1
+        off_grid = (zero_point < 0) | (zero_point > qmax)
+        if scheme.is_symmetric:
+            off_grid = zero_point != (qmax + 1) // 2
+        if off_grid.any():
+            index = int(np.flatnonzero(off_grid)[0])
+            expected = f"{(qmax + 1) // 2} (symmetric mid-point)" if scheme.is_symmetric else f"0..{qmax}"
+            raise ValueError(f"{field}.zero_point[{index}]={zero_point[index]} is off the grid; expected {expected}")
+    if message.dtype not in ALLOWED_DTYPES:
+        raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")
+    return QuantizedArray(
+        scheme=scheme,
+        bits=bits,
+        numel=numel,
+        channel_size=channel_size,
+        scale=scale,
+        zero_point=zero_point,
+        payload=np.frombuffer(message.payload, np.uint8),
+        dtype=message.dtype,
+    )

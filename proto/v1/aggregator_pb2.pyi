@@ -1,0 +1,103 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Scheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEME_UNSPECIFIED: _ClassVar[Scheme]
+    SCHEME_FLOAT32: _ClassVar[Scheme]
+    SCHEME_FLOAT16: _ClassVar[Scheme]
+    SCHEME_PER_TENSOR_AFFINE: _ClassVar[Scheme]
+    SCHEME_PER_TENSOR_SYMMETRIC: _ClassVar[Scheme]
+    SCHEME_PER_CHANNEL_AFFINE: _ClassVar[Scheme]
+    SCHEME_PER_CHANNEL_SYMMETRIC: _ClassVar[Scheme]
+SCHEME_UNSPECIFIED: Scheme
+SCHEME_FLOAT32: Scheme
+SCHEME_FLOAT16: Scheme
+SCHEME_PER_TENSOR_AFFINE: Scheme
+SCHEME_PER_TENSOR_SYMMETRIC: Scheme
+SCHEME_PER_CHANNEL_AFFINE: Scheme
+SCHEME_PER_CHANNEL_SYMMETRIC: Scheme
+
+class QuantizedTensor(_message.Message):
+    __slots__ = ("scheme", "bits", "numel", "channel_size", "scale", "zero_point", "payload", "dtype")
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    ZERO_POINT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    scheme: Scheme
+    bits: int
+    numel: int
+    channel_size: int
+    scale: bytes
+    zero_point: bytes
+    payload: bytes
+    dtype: str
+    def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("world_size", "joined_ranks", "server_id")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    server_id: str
+    def __init__(self, world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., server_id: _Optional[str] = ...) -> None: ...
+
+class PushPullRequest(_message.Message):
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    bucket: int
+    rank: int
+    tensor: QuantizedTensor
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ...) -> None: ...
+
+class PushPullResponse(_message.Message):
+    __slots__ = ("mean", "contributors", "partial", "missing_ranks")
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    mean: QuantizedTensor
+    contributors: int
+    partial: bool
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("job_id", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

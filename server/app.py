@@ -1,0 +1,112 @@
+"""Build, start and stop an aggregator: the servicer plus health, reflection and message limits."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.server.policy import RoundPolicy
+from gradq.server.rounds import RoundTable
+from gradq.server.servicer import AggregatorServicer
+
+__all__ = ["AggregatorServer", "ServerOptions", "SERVICE_NAME", "DEFAULT_MAX_MESSAGE_BYTES"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
+# gRPC refuses messages over 4 MiB by default; a 256 MB fp32 bucket returned
+# as fp32 needs ~256 MiB, so the default leaves room for 1 GiB.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Transport settings of one aggregator process.
+
+    Args:
+        address: host:port to bind; port 0 picks a free port.
+        max_message_bytes: largest request or response accepted, in bytes.
+        max_workers: handler threads. A PushPull holds one while it waits for
+            its round, so this bounds the rounds x ranks waiting at once.
+        grace_s: on stop, rounds in flight get this long to finish.
+    """
+
+    address: str = "0.0.0.0:50051"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_workers: int = 256
+    grace_s: float = 10.0
+
+
+class AggregatorServer:
+    """One aggregator process: start(), wait(), stop(); `port` is the bound port."""
+
+    def __init__(self, policy: RoundPolicy, options: ServerOptions) -> None:
+        self.policy = policy
+        self.options = options
+        self.table = RoundTable(policy)
+        self.health = health.HealthServicer()
+        limits = [
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+        ]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), options=limits)
+        self.servicer = AggregatorServicer(self.table)
+        pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server,
+        )
+        self.port = self._server.add_insecure_port(options.address)
+        if self.port == 0:
+            raise OSError(f"could not bind address={options.address!r}; is the port in use?")
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start serving and mark the aggregator healthy."""
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("aggregator %s serving on port %d (world_size=%s, round timeout %.1f s)",
+                 self.servicer.server_id[:8], self.port, self.policy.world_size or "per job",
+                 self.policy.round_timeout_s)
+
+    def stop(self) -> None:
+        """Go NOT_SERVING, let rounds in flight finish within the grace period, then stop."""
+        with self._stop_lock:
+            if not self._stopped.is_set():
+                self._stop_once()
+
+    def _stop_once(self) -> None:
+        log.info("stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s",
+                 self.table.in_flight(), self.options.grace_s)
+        self.health.enter_graceful_shutdown()
+        self.table.close()
+        self._server.stop(self.options.grace_s).wait()
+        self._stopped.set()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        """Block until stop() has finished."""
+        self._stopped.wait()
+
+    def stop_on_signals(self) -> None:
+        """Stop gracefully on SIGTERM or SIGINT (call from the main thread)."""
+
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            log.info("received %s", signal.Signals(signum).name)
+            threading.Thread(target=self.stop, name="gradq-stop", daemon=True).start()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, handle)

@@ -1,0 +1,109 @@
+"""`gradq serve`: run one aggregator (one shard) until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gradq.qcore import Scheme
+from gradq.server.app import DEFAULT_MAX_MESSAGE_BYTES, AggregatorServer, ServerOptions
+from gradq.server.policy import RoundPolicy
+
+__all__ = ["main", "build_parser"]
+
+
+def _flag_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; expected true/false, 1/0, yes/no or on/off")
+
+
+def _return_scheme(text: str) -> Scheme | None:
+    if text.strip().lower() == "same":
+        return None
+    try:
+        return Scheme.parse({"fp16": "float16", "fp32": "float32"}.get(text.strip().lower(), text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}, or 'same', 'fp16', 'fp32'") from None
+
+
+# (flag, environment variable, type, default, help). Flags win over the environment.
+_OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
+    ("--host", "GRADQ_HOST", str, "0.0.0.0", "address to bind"),
+    ("--port", "GRADQ_PORT", int, 50051, "port to bind; 0 picks a free one (see --port-file)"),
+    ("--world-size", "GRADQ_WORLD_SIZE", int, 0, "ranks per job; 0 lets each job's first Join decide"),
+    ("--round-timeout", "GRADQ_ROUND_TIMEOUT", float, 30.0,
+     "seconds from a round's first contribution until it fails for every waiter, naming the missing ranks"),
+    ("--partial-quorum", "GRADQ_PARTIAL_QUORUM", int, 0,
+     "0: strict rounds. N: at its deadline a round with >= N ranks completes over them (response says partial)"),
+    ("--return-scheme", "GRADQ_RETURN_SCHEME", _return_scheme, None,
+     "grid of the mean sent back: 'same' as the pushes, 'fp16', 'fp32', or a scheme such as per_channel_affine"),
+    ("--return-bits", "GRADQ_RETURN_BITS", int, 8, "bits of a quantized --return-scheme"),
+    ("--server-error-feedback", "GRADQ_SERVER_ERROR_FEEDBACK", _flag_bool, False,
+     "carry the re-quantization error of each bucket's mean into its next round"),
+    ("--retain-steps", "GRADQ_RETAIN_STEPS", int, 2, "finished steps kept so that retried pushes get their answer"),
+    ("--max-message-bytes", "GRADQ_MAX_MESSAGE_BYTES", int, DEFAULT_MAX_MESSAGE_BYTES,
+     "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)"),
+    ("--max-workers", "GRADQ_MAX_WORKERS", int, 256, "handler threads; each waiting PushPull holds one"),
+    ("--grace", "GRADQ_GRACE", float, 10.0, "seconds rounds in flight get to finish after SIGTERM"),
+    ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `gradq serve` argument parser; defaults come from GRADQ_* environment variables."""
+    parser = argparse.ArgumentParser(
+        prog="gradq serve",
+        description="Run a gradq aggregator: workers push quantized gradient buckets, it averages them and "
+        "sends the mean back. Run one process per shard. Every flag can also be set by the environment "
+        "variable shown.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for flag, env, kind, default, text in _OPTIONS:
+        raw = os.environ.get(env)
+        if raw is not None:
+            try:
+                default = kind(raw)
+            except (ValueError, argparse.ArgumentTypeError) as error:
+                parser.error(f"environment variable {env}={raw!r} is invalid: {error}")
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} [env {env}]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        parser.error(f"--log-level={args.log_level!r} is invalid; expected DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        policy = RoundPolicy(
+            world_size=args.world_size,
+            round_timeout_s=args.round_timeout,
+            partial_quorum=args.partial_quorum,
+            return_scheme=args.return_scheme,
+            return_bits=args.return_bits,
+            server_error_feedback=args.server_error_feedback,
+            retain_steps=args.retain_steps,
+        )
+        options = ServerOptions(f"{args.host}:{args.port}", args.max_message_bytes, args.max_workers, args.grace)
+        server = AggregatorServer(policy, options)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    server.stop_on_signals()
+    server.start()
+    if args.port_file is not None:
+        args.port_file.write_text(f"{server.port}\n")
+    server.wait()
+    return 0

@@ -1,0 +1,38 @@
+"""Round errors as plain exceptions, each naming the gRPC status it maps to.
+
+The round logic stays free of grpc; the servicer turns ``code`` into a status.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RoundError", "InvalidArgument", "FailedPrecondition", "RoundAborted", "Unavailable"]
+
+
+class RoundError(Exception):
+    """Base class: ``code`` is the name of a ``grpc.StatusCode``."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(RoundError):
+    """The request itself is malformed (bad field value); retrying cannot help."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(RoundError):
+    """The request is well formed but does not fit the job's state (not joined, stale step)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class RoundAborted(RoundError):
+    """The round closed without this rank's answer (deadline passed with ranks missing)."""
+
+    code = "ABORTED"
+
+
+class Unavailable(RoundError):
+    """The aggregator is shutting down; the client may retry elsewhere or later."""
+
+    code = "UNAVAILABLE"

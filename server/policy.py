@@ -1,0 +1,60 @@
+"""How the aggregator runs rounds: deadlines, quorum, the scheme of the mean it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, QuantizedArray, Scheme
+
+__all__ = ["RoundPolicy", "return_config_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPolicy:
+    """Operator's choices for every round on this aggregator.
+
+    Args:
+        world_size: ranks per job; 0 lets each job's first Join decide.
+        round_timeout_s: a round not complete this long after its first
+            contribution fails for every waiter, naming the missing ranks.
+        partial_quorum: 0 for strict rounds; else a round at its deadline with at
+            least this many ranks completes over them and says so.
+        return_scheme: None returns the mean on the pushers' own grid
+            (scheme, bits, channel size); else this scheme (e.g. FLOAT16).
+        return_bits: bits for a quantized ``return_scheme`` (ignored otherwise).
+        server_error_feedback: carry the re-quantization error of the mean
+            into the next round of the same bucket.
+        retain_steps: finished rounds of this many steps behind the newest are
+            kept so retried pushes get their answer; older ones are stale.
+    """
+
+    world_size: int = 0
+    round_timeout_s: float = 30.0
+    partial_quorum: int = 0
+    return_scheme: Scheme | None = None
+    return_bits: int = 8
+    server_error_feedback: bool = False
+    retain_steps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.world_size < 0:
+            raise ValueError(f"world_size={self.world_size} is invalid; expected 0 (set by Join) or >= 1")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s={self.round_timeout_s} is invalid; expected > 0 seconds")
+        if self.partial_quorum < 0 or (self.world_size and self.partial_quorum > self.world_size):
+            raise ValueError(
+                f"partial_quorum={self.partial_quorum} is invalid; expected 0 (strict) or 1..world_size"
+            )
+        if self.retain_steps < 1:
+            raise ValueError(f"retain_steps={self.retain_steps} is invalid; expected >= 1")
+        if self.return_scheme is not None:
+            QuantConfig(scheme=self.return_scheme, bits=self.return_bits)
+
+
+def return_config_for(policy: RoundPolicy, pushed: QuantizedArray) -> QuantConfig:
+    """The grid the round's mean goes back on: the policy's, or the pushers' own."""
+    channel_size = pushed.channel_size if pushed.scheme.is_per_channel else DEFAULT_CHANNEL_SIZE
+    if policy.return_scheme is None:
+        bits = pushed.bits if pushed.scheme.is_quantized else 8
+        return QuantConfig(scheme=pushed.scheme, bits=bits, channel_size=channel_size)
+    return QuantConfig(scheme=policy.return_scheme, bits=policy.return_bits, channel_size=channel_size)

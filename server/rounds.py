@@ -1,0 +1,278 @@
+"""The round: accumulate each rank's bucket as it arrives, average, answer every waiter.
+
+Plain Python (no grpc), so tests drive it directly. One fp32 accumulator per
+round in flight; contributions are dequantized into it on arrival, so memory is
+O(bucket), not O(world x bucket). Lock order: a round's lock may be taken
+before the table's, never the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradq.qcore import ErrorFeedback, QuantizedArray, decode_accumulate, encode
+from gradq.server.errors import FailedPrecondition, InvalidArgument, RoundAborted, RoundError, Unavailable
+from gradq.server.policy import RoundPolicy, return_config_for
+
+__all__ = ["RoundTable", "RoundResult", "MAX_JOB_ID_LENGTH"]
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_ID_LENGTH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What every waiter of a finished round receives."""
+
+    mean: QuantizedArray
+    contributors: tuple[int, ...]
+    missing: tuple[int, ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        """True when the round closed on a quorum with ranks missing."""
+        return bool(self.missing)
+
+
+class _Round:
+    __slots__ = ("accumulator", "bucket", "contributors", "deadline", "done", "error", "lock", "pushed", "result", "step")
+
+    def __init__(self, step: int, bucket: int, pushed: QuantizedArray, deadline: float) -> None:
+        self.step = step
+        self.bucket = bucket
+        # The first contribution fixes numel and, by default, the return grid.
+        self.pushed = pushed
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.accumulator: np.ndarray | None = np.zeros(pushed.numel, np.float32)
+        self.contributors: set[int] = set()
+        self.result: RoundResult | None = None
+        self.error: RoundError | None = None
+
+    def describe(self, job_id: str) -> str:
+        return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
+
+
+@dataclass(slots=True)
+class _Job:
+    world_size: int
+    joined: set[int] = field(default_factory=set)
+    # (step, bucket) -> round, in flight or finished-and-retained for retries.
+    rounds: dict[tuple[int, int], _Round] = field(default_factory=dict)
+    newest_finished_step: int = -1
+    error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+
+
+class RoundTable:
+    """All jobs and rounds of one aggregator.
+
+    Args:
+        policy: deadlines, quorum and return scheme.
+        clock: monotonic seconds; tests may pass their own.
+    """
+
+    def __init__(self, policy: RoundPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._closing = False
+        self.counters = {"rounds_completed": 0, "rounds_partial": 0, "rounds_failed": 0, "contributions": 0}
+
+    # -- membership -------------------------------------------------------------------------
+
+    def join(self, job_id: str, rank: int, world_size: int) -> tuple[int, list[int]]:
+        """Register ``rank`` with ``job_id``; idempotent, so a restarted worker may rejoin.
+
+        Returns:
+            (the job's world size, the ranks joined so far).
+
+        Raises:
+            InvalidArgument: empty/oversized job id, world size < 1, rank out of range.
+            FailedPrecondition: world size disagrees with the job's or the server's.
+        """
+        _check_job_id(job_id)
+        if world_size < 1:
+            raise InvalidArgument(f"world_size={world_size} is invalid; expected >= 1")
+        if self.policy.world_size and world_size != self.policy.world_size:
+            raise FailedPrecondition(
+                f"world_size={world_size} does not match this aggregator's --world-size={self.policy.world_size}"
+            )
+        if rank >= world_size:
+            raise InvalidArgument(f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}")
+        with self._lock:
+            if self._closing:
+                raise Unavailable("the aggregator is shutting down; join another shard or retry after restart")
+            job = self._jobs.get(job_id)
+            if job is None:
+                job = self._jobs[job_id] = _Job(world_size)
+            elif job.world_size != world_size:
+                raise FailedPrecondition(
+                    f"world_size={world_size} does not match job {job_id!r}, which has world_size={job.world_size}"
+                )
+            rejoined = rank in job.joined
+            job.joined.add(rank)
+            joined = sorted(job.joined)
+        log.info("%s rank %d of %d to job %r (%d joined)", "rejoin" if rejoined else "join",
+                 rank, world_size, job_id, len(joined))
+        return world_size, joined
+
+    def leave(self, job_id: str, rank: int) -> None:
+        """Deregister ``rank``; rounds still waiting for it close now instead of at their deadline."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or rank not in job.joined:
+                return
+            job.joined.discard(rank)
+            waiting = [r for r in job.rounds.values() if not r.done.is_set()]
+            if not job.joined:
+                del self._jobs[job_id]
+        log.info("leave rank %d from job %r", rank, job_id)
+        for rnd in waiting:
+            with rnd.lock:
+                if not rnd.done.is_set() and rank not in rnd.contributors:
+                    self._close_early(job_id, job, rnd, f"rank {rank} left the job")
+
+    # -- the round --------------------------------------------------------------------------
+
+    def contribute(self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> RoundResult:
+        """Add ``rank``'s bucket to round (job, step, bucket) and wait for the mean.
+
+        A duplicate of an accepted contribution is not counted again and gets the
+        same answer. Blocks at most until the round's deadline.
+
+        Raises:
+            InvalidArgument: numel disagrees with the round's.
+            FailedPrecondition: unknown job or rank, stale step, or a partial round
+                that closed without this rank.
+            RoundAborted: the round's deadline passed with ranks missing.
+            Unavailable: the aggregator is shutting down and the round is new.
+        """
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                raise FailedPrecondition(f"job {job_id!r} has no joined ranks; call Join first")
+            if rank not in job.joined:
+                raise FailedPrecondition(
+                    f"rank={rank} has not joined job {job_id!r} (joined: {sorted(job.joined)}); call Join first"
+                )
+            rnd = job.rounds.get((step, bucket))
+            if rnd is None:
+                oldest = job.newest_finished_step - self.policy.retain_steps
+                if step < oldest:
+                    raise FailedPrecondition(
+                        f"step={step} is stale: job {job_id!r} has finished rounds up to step "
+                        f"{job.newest_finished_step}; expected step >= {oldest}"
+                    )
+                if self._closing:
+                    raise Unavailable("the aggregator is shutting down; no new rounds are started")
+                rnd = _Round(step, bucket, tensor, self._clock() + self.policy.round_timeout_s)
+                job.rounds[(step, bucket)] = rnd
+            elif tensor.numel != rnd.pushed.numel:
+                raise InvalidArgument(
+                    f"tensor.numel={tensor.numel} does not match numel={rnd.pushed.numel} of "
+                    f"{rnd.describe(job_id)}; every rank must send the same bucket size"
+                )
+        with rnd.lock:
+            if not rnd.done.is_set() and rank not in rnd.contributors:
+                assert rnd.accumulator is not None
+                decode_accumulate(tensor, rnd.accumulator)
+                rnd.contributors.add(rank)
+                if len(rnd.contributors) == job.world_size:
+                    self._finish(job_id, job, rnd)
+        if not rnd.done.wait(max(0.0, rnd.deadline - self._clock())):
+            with rnd.lock:
+                if not rnd.done.is_set():
+                    self._close_early(job_id, job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed")
+        return _answer(job_id, rnd, rank)
+
+    def _finish(self, job_id: str, job: _Job, rnd: _Round, missing: tuple[int, ...] = ()) -> None:
+        """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
+        mean = rnd.accumulator
+        assert mean is not None
+        mean /= np.float32(len(rnd.contributors))
+        config = return_config_for(self.policy, rnd.pushed)
+        try:
+            if self.policy.server_error_feedback:
+                encoded = job.error_feedback.encode(rnd.bucket, mean, config)
+            else:
+                encoded = encode(mean, config, dtype=rnd.pushed.dtype)
+        except ValueError:
+            self._fail(job_id, job, rnd, InvalidArgument(
+                f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"))
+            return
+        rnd.result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing)
+        log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
+        self._release(job, rnd, "rounds_partial" if missing else "rounds_completed")
+
+    def _close_early(self, job_id: str, job: _Job, rnd: _Round, reason: str) -> None:
+        """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
+        missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
+        quorum = self.policy.partial_quorum
+        if quorum and len(rnd.contributors) >= quorum:
+            log.warning("%s closed partial (%s): averaged ranks %s, missing ranks %s",
+                        rnd.describe(job_id), reason, sorted(rnd.contributors), list(missing))
+            self._finish(job_id, job, rnd, missing)
+            return
+        self._fail(job_id, job, rnd, RoundAborted(
+            f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
+            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
+        ))
+
+    def _fail(self, job_id: str, job: _Job, rnd: _Round, error: RoundError) -> None:
+        rnd.error = error
+        log.warning("%s", error)
+        self._release(job, rnd, "rounds_failed")
+
+    def _release(self, job: _Job, rnd: _Round, outcome: str) -> None:
+        rnd.accumulator = None
+        rnd.done.set()
+        with self._lock:
+            self.counters[outcome] += 1
+            self.counters["contributions"] += len(rnd.contributors)
+            job.newest_finished_step = max(job.newest_finished_step, rnd.step)
+            oldest = job.newest_finished_step - self.policy.retain_steps
+            for key in [k for k, r in job.rounds.items() if r.step < oldest and r.done.is_set()]:
+                del job.rounds[key]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new jobs and rounds; rounds in flight may still complete."""
+        with self._lock:
+            self._closing = True
+
+    def in_flight(self) -> int:
+        """Rounds started and not yet finished, over all jobs."""
+        with self._lock:
+            return sum(not r.done.is_set() for job in self._jobs.values() for r in job.rounds.values())
+
+    def jobs(self) -> dict[str, list[int]]:
+        """Job id -> joined ranks, for logs and tests."""
+        with self._lock:
+            return {job_id: sorted(job.joined) for job_id, job in self._jobs.items()}
+
+
+def _answer(job_id: str, rnd: _Round, rank: int) -> RoundResult:
+    if rnd.error is not None:
+        raise type(rnd.error)(str(rnd.error))
+    assert rnd.result is not None
+    if rank not in rnd.result.contributors:
+        raise FailedPrecondition(
+            f"{rnd.describe(job_id)} closed at its deadline over ranks {list(rnd.result.contributors)} "
+            f"without rank {rank}; this contribution was not counted"
+        )
+    return rnd.result
+
+
+def _check_job_id(job_id: str) -> None:
+    if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
+        raise InvalidArgument(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")

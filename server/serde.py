@@ -1,0 +1,57 @@
+"""The aggregator's side of the wire: protobuf requests in, protobuf responses out.
+
+The only server module that touches ``_pb2`` types (with the servicer's signatures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradq.proto.convert import tensor_from_proto, tensor_to_proto
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantizedArray
+from gradq.server.errors import InvalidArgument
+from gradq.server.rounds import RoundResult
+
+__all__ = ["Contribution", "contribution_from_proto", "result_to_proto", "join_to_proto"]
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One rank's bucket for one round, checked and decoded from the wire."""
+
+    job_id: str
+    step: int
+    bucket: int
+    rank: int
+    tensor: QuantizedArray
+
+
+def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
+    """Validate a PushPullRequest field by field.
+
+    Raises:
+        InvalidArgument: naming the field, its value and what was expected.
+    """
+    if not request.HasField("tensor"):
+        raise InvalidArgument("tensor is missing; expected a QuantizedTensor with the bucket")
+    try:
+        tensor = tensor_from_proto(request.tensor)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+    return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor)
+
+
+def result_to_proto(result: RoundResult) -> pb.PushPullResponse:
+    """The response every waiter of a finished round receives."""
+    return pb.PushPullResponse(
+        mean=tensor_to_proto(result.mean),
+        contributors=len(result.contributors),
+        partial=result.partial,
+        missing_ranks=result.missing,
+    )
+
+
+def join_to_proto(world_size: int, joined: list[int], server_id: str) -> pb.JoinResponse:
+    """The answer to a Join."""
+    return pb.JoinResponse(world_size=world_size, joined_ranks=joined, server_id=server_id)
