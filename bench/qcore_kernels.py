@@ -29,6 +29,7 @@ from functools import partial  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from gradq.qcore import QuantConfig, Scheme, decode, decode_accumulate, encode  # noqa: E402
 
 CHANNEL_SIZE = 512

@@ -208,14 +208,16 @@ class WorkerClient:
             with self._lock:
                 self.bytes_received += mean.wire_bytes
             if mean.partial:
-                log.warning("aggregator %s averaged %d ranks; missing %s", address, mean.contributors,
-                            list(mean.missing_ranks))
+                log.warning(
+                    "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
+                )
             pending.result.set_result(mean.values.reshape(pending.shape))
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
             pending.attempt += 1
             delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
-            log.info("aggregator %s unavailable; retry %d/%d in %.2f s", address, pending.attempt,
-                     self.max_retries, delay)
+            log.info(
+                "aggregator %s unavailable; retry %d/%d in %.2f s", address, pending.attempt, self.max_retries, delay
+            )
             timer = threading.Timer(delay, self._retry, (pending,))
             timer.daemon = True
             timer.start()

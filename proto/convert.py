@@ -22,7 +22,7 @@ _FLOAT_BITS = {Scheme.FLOAT32: 32, Scheme.FLOAT16: 16}
 def tensor_to_proto(q: QuantizedArray) -> pb.QuantizedTensor:
     """Wrap a QuantizedArray in its wire message (one copy of each array)."""
     return pb.QuantizedTensor(
-        scheme=int(q.scheme),
+        scheme=pb.Scheme.Value(f"SCHEME_{q.scheme.name}"),
         bits=q.bits,
         numel=q.numel,
         channel_size=q.channel_size,
@@ -89,7 +89,7 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
     bad_scale = ~(np.isfinite(scale) & (scale > 0))
     if bad_scale.any():
         index = int(np.flatnonzero(bad_scale)[0])
-        raise ValueError(f"{field}.scale[{index}]={scale[index]!r} is invalid; expected a finite number > 0")
+        raise ValueError(f"{field}.scale[{index}]={float(scale[index])} is invalid; expected a finite number > 0")
     if scheme.is_quantized:
         qmax = (1 << bits) - 1
         off_grid = (zero_point < 0) | (zero_point > qmax)
@@ -98,7 +98,7 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
         if off_grid.any():
             index = int(np.flatnonzero(off_grid)[0])
             expected = f"{(qmax + 1) // 2} (symmetric mid-point)" if scheme.is_symmetric else f"0..{qmax}"
-            raise ValueError(f"{field}.zero_point[{index}]={zero_point[index]} is off the grid; expected {expected}")
+            raise ValueError(f"{field}.zero_point[{index}]={int(zero_point[index])} is off the grid; expected {expected}")
     if message.dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")
     return QuantizedArray(

@@ -30,10 +30,8 @@ def qparams_from_range(lo: float, hi: float, qmax: int, symmetric: bool) -> tupl
         if lo == 0.0:
             return np.float32(1.0), (mid if symmetric else 0)
         scale = abs(lo)
-        if symmetric:
-            zero_point = mid
-        else:
-            zero_point = 0 if lo > 0.0 else 1
+        # v sits one level above (v > 0) or below (v < 0) the zero point.
+        zero_point = mid if symmetric else (0 if lo > 0.0 else 1)
     else:
         lo = min(lo, 0.0)
         hi = max(hi, 0.0)

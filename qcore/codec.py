@@ -89,7 +89,7 @@ def _raise_non_finite(x: np.ndarray, channel: int, channel_size: int) -> None:
     window = x[start : start + channel_size]
     index = start + int(np.flatnonzero(~np.isfinite(window))[0])
     raise ValueError(
-        f"x[{index}]={x[index]!r} is not finite; expected finite gradients "
+        f"x[{index}]={float(x[index])} is not finite; expected finite gradients "
         "(NaN/Inf cannot be put on a quantization grid)"
     )
 
@@ -220,9 +220,7 @@ def _dequantize(q: QuantizedArray, out: np.ndarray, accumulate: bool) -> None:
         return
     if q.numel == 0:
         return
-    _kernels().dequantize_into(
-        q.payload, q.bits, q.channel_size, q.scale, q.zero_point, flat_out, accumulate
-    )
+    _kernels().dequantize_into(q.payload, q.bits, q.channel_size, q.scale, q.zero_point, flat_out, accumulate)
 
 
 def fake_quantize(x: np.ndarray, config: QuantConfig, *, rng: np.random.Generator | None = None) -> np.ndarray:

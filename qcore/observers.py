@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig
+from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig, Scheme
 
 __all__ = [
     "calculate_qparams",
@@ -37,7 +37,7 @@ def calculate_qparams(
         (scale float32, zero_point int32), one pair per channel. The range is
         widened to include 0, so 0.0 is exactly representable.
     """
-    QuantConfig(bits=bits, scheme="per_tensor_symmetric" if symmetric else "per_tensor_affine")
+    _check_grid(bits, symmetric)
     lows = np.asarray(min_vals, np.float32).reshape(-1)
     highs = np.asarray(max_vals, np.float32).reshape(-1)
     if lows.shape != highs.shape:
@@ -55,13 +55,18 @@ def calculate_qparams(
     return scales, zero_points
 
 
+def _check_grid(bits: int, symmetric: bool) -> None:
+    # QuantConfig owns the rules (and the messages) for valid grids.
+    QuantConfig(bits=bits, scheme=Scheme.PER_TENSOR_SYMMETRIC if symmetric else Scheme.PER_TENSOR_AFFINE)
+
+
 def _finite_flat(x: np.ndarray) -> np.ndarray:
     flat = np.ascontiguousarray(np.asarray(x).reshape(-1), dtype=np.float32)
     if flat.size == 0:
         raise ValueError("observe() got an empty array; expected at least one element")
     if not np.isfinite(flat).all():
         bad = int(np.flatnonzero(~np.isfinite(flat))[0])
-        raise ValueError(f"x[{bad}]={flat[bad]!r} is not finite; observers need finite values")
+        raise ValueError(f"x[{bad}]={float(flat[bad])} is not finite; observers need finite values")
     return flat
 
 
@@ -69,7 +74,7 @@ class _RangeObserver:
     """Holds the running range; subclasses decide how a new batch updates it."""
 
     def __init__(self, bits: int = 8, symmetric: bool = False) -> None:
-        QuantConfig(bits=bits, scheme="per_tensor_symmetric" if symmetric else "per_tensor_affine")
+        _check_grid(bits, symmetric)
         self.bits = bits
         self.symmetric = symmetric
         self.min_val: np.ndarray | None = None

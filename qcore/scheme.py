@@ -110,11 +110,7 @@ class QuantConfig:
                 f"bits={self.bits} with scheme={self.scheme.name.lower()}: a symmetric grid needs "
                 "bits >= 2 to hold both signs and zero; use an affine scheme for 1 bit"
             )
-        if (
-            isinstance(self.channel_size, bool)
-            or not isinstance(self.channel_size, int)
-            or self.channel_size < 1
-        ):
+        if isinstance(self.channel_size, bool) or not isinstance(self.channel_size, int) or self.channel_size < 1:
             raise ValueError(f"channel_size={self.channel_size!r} is invalid; expected an integer >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} is invalid; expected None or an integer >= 0")

@@ -78,9 +78,13 @@ class AggregatorServer:
         self._server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("aggregator %s serving on port %d (world_size=%s, round timeout %.1f s)",
-                 self.servicer.server_id[:8], self.port, self.policy.world_size or "per job",
-                 self.policy.round_timeout_s)
+        log.info(
+            "aggregator %s serving on port %d (world_size=%s, round timeout %.1f s)",
+            self.servicer.server_id[:8],
+            self.port,
+            self.policy.world_size or "per job",
+            self.policy.round_timeout_s,
+        )
 
     def stop(self) -> None:
         """Go NOT_SERVING, let rounds in flight finish within the grace period, then stop."""
@@ -89,8 +93,9 @@ class AggregatorServer:
                 self._stop_once()
 
     def _stop_once(self) -> None:
-        log.info("stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s",
-                 self.table.in_flight(), self.options.grace_s)
+        log.info(
+            "stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s", self.table.in_flight(), self.options.grace_s
+        )
         self.health.enter_graceful_shutdown()
         self.table.close()
         self._server.stop(self.options.grace_s).wait()

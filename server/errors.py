@@ -5,7 +5,7 @@ The round logic stays free of grpc; the servicer turns ``code`` into a status.
 
 from __future__ import annotations
 
-__all__ = ["RoundError", "InvalidArgument", "FailedPrecondition", "RoundAborted", "Unavailable"]
+__all__ = ["RoundError", "InvalidArgumentError", "FailedPreconditionError", "RoundAbortedError", "UnavailableError"]
 
 
 class RoundError(Exception):
@@ -14,25 +14,25 @@ class RoundError(Exception):
     code = "INTERNAL"
 
 
-class InvalidArgument(RoundError):
+class InvalidArgumentError(RoundError):
     """The request itself is malformed (bad field value); retrying cannot help."""
 
     code = "INVALID_ARGUMENT"
 
 
-class FailedPrecondition(RoundError):
+class FailedPreconditionError(RoundError):
     """The request is well formed but does not fit the job's state (not joined, stale step)."""
 
     code = "FAILED_PRECONDITION"
 
 
-class RoundAborted(RoundError):
+class RoundAbortedError(RoundError):
     """The round closed without this rank's answer (deadline passed with ranks missing)."""
 
     code = "ABORTED"
 
 
-class Unavailable(RoundError):
+class UnavailableError(RoundError):
     """The aggregator is shutting down; the client may retry elsewhere or later."""
 
     code = "UNAVAILABLE"

@@ -42,9 +42,7 @@ class RoundPolicy:
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s={self.round_timeout_s} is invalid; expected > 0 seconds")
         if self.partial_quorum < 0 or (self.world_size and self.partial_quorum > self.world_size):
-            raise ValueError(
-                f"partial_quorum={self.partial_quorum} is invalid; expected 0 (strict) or 1..world_size"
-            )
+            raise ValueError(f"partial_quorum={self.partial_quorum} is invalid; expected 0 (strict) or 1..world_size")
         if self.retain_steps < 1:
             raise ValueError(f"retain_steps={self.retain_steps} is invalid; expected >= 1")
         if self.return_scheme is not None:

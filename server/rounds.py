@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradq.qcore import ErrorFeedback, QuantizedArray, decode_accumulate, encode
-from gradq.server.errors import FailedPrecondition, InvalidArgument, RoundAborted, RoundError, Unavailable
+from gradq.server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RoundAbortedError,
+    RoundError,
+    UnavailableError,
+)
 from gradq.server.policy import RoundPolicy, return_config_for
 
 __all__ = ["RoundTable", "RoundResult", "MAX_JOB_ID_LENGTH"]
@@ -42,7 +48,18 @@ class RoundResult:
 
 
 class _Round:
-    __slots__ = ("accumulator", "bucket", "contributors", "deadline", "done", "error", "lock", "pushed", "result", "step")
+    __slots__ = (
+        "accumulator",
+        "bucket",
+        "contributors",
+        "deadline",
+        "done",
+        "error",
+        "lock",
+        "pushed",
+        "result",
+        "step",
+    )
 
     def __init__(self, step: int, bucket: int, pushed: QuantizedArray, deadline: float) -> None:
         self.step = step
@@ -96,33 +113,41 @@ class RoundTable:
             (the job's world size, the ranks joined so far).
 
         Raises:
-            InvalidArgument: empty/oversized job id, world size < 1, rank out of range.
-            FailedPrecondition: world size disagrees with the job's or the server's.
+            InvalidArgumentError: empty/oversized job id, world size < 1, rank out of range.
+            FailedPreconditionError: world size disagrees with the job's or the server's.
         """
         _check_job_id(job_id)
         if world_size < 1:
-            raise InvalidArgument(f"world_size={world_size} is invalid; expected >= 1")
+            raise InvalidArgumentError(f"world_size={world_size} is invalid; expected >= 1")
         if self.policy.world_size and world_size != self.policy.world_size:
-            raise FailedPrecondition(
+            raise FailedPreconditionError(
                 f"world_size={world_size} does not match this aggregator's --world-size={self.policy.world_size}"
             )
         if rank >= world_size:
-            raise InvalidArgument(f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}")
+            raise InvalidArgumentError(
+                f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
+            )
         with self._lock:
             if self._closing:
-                raise Unavailable("the aggregator is shutting down; join another shard or retry after restart")
+                raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
             job = self._jobs.get(job_id)
             if job is None:
                 job = self._jobs[job_id] = _Job(world_size)
             elif job.world_size != world_size:
-                raise FailedPrecondition(
+                raise FailedPreconditionError(
                     f"world_size={world_size} does not match job {job_id!r}, which has world_size={job.world_size}"
                 )
             rejoined = rank in job.joined
             job.joined.add(rank)
             joined = sorted(job.joined)
-        log.info("%s rank %d of %d to job %r (%d joined)", "rejoin" if rejoined else "join",
-                 rank, world_size, job_id, len(joined))
+        log.info(
+            "%s rank %d of %d to job %r (%d joined)",
+            "rejoin" if rejoined else "join",
+            rank,
+            world_size,
+            job_id,
+            len(joined),
+        )
         return world_size, joined
 
     def leave(self, job_id: str, rank: int) -> None:
@@ -150,34 +175,34 @@ class RoundTable:
         same answer. Blocks at most until the round's deadline.
 
         Raises:
-            InvalidArgument: numel disagrees with the round's.
-            FailedPrecondition: unknown job or rank, stale step, or a partial round
+            InvalidArgumentError: numel disagrees with the round's.
+            FailedPreconditionError: unknown job or rank, stale step, or a partial round
                 that closed without this rank.
-            RoundAborted: the round's deadline passed with ranks missing.
-            Unavailable: the aggregator is shutting down and the round is new.
+            RoundAbortedError: the round's deadline passed with ranks missing.
+            UnavailableError: the aggregator is shutting down and the round is new.
         """
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
-                raise FailedPrecondition(f"job {job_id!r} has no joined ranks; call Join first")
+                raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first")
             if rank not in job.joined:
-                raise FailedPrecondition(
+                raise FailedPreconditionError(
                     f"rank={rank} has not joined job {job_id!r} (joined: {sorted(job.joined)}); call Join first"
                 )
             rnd = job.rounds.get((step, bucket))
             if rnd is None:
                 oldest = job.newest_finished_step - self.policy.retain_steps
                 if step < oldest:
-                    raise FailedPrecondition(
+                    raise FailedPreconditionError(
                         f"step={step} is stale: job {job_id!r} has finished rounds up to step "
                         f"{job.newest_finished_step}; expected step >= {oldest}"
                     )
                 if self._closing:
-                    raise Unavailable("the aggregator is shutting down; no new rounds are started")
+                    raise UnavailableError("the aggregator is shutting down; no new rounds are started")
                 rnd = _Round(step, bucket, tensor, self._clock() + self.policy.round_timeout_s)
                 job.rounds[(step, bucket)] = rnd
             elif tensor.numel != rnd.pushed.numel:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"tensor.numel={tensor.numel} does not match numel={rnd.pushed.numel} of "
                     f"{rnd.describe(job_id)}; every rank must send the same bucket size"
                 )
@@ -206,8 +231,14 @@ class RoundTable:
             else:
                 encoded = encode(mean, config, dtype=rnd.pushed.dtype)
         except ValueError:
-            self._fail(job_id, job, rnd, InvalidArgument(
-                f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"))
+            self._fail(
+                job_id,
+                job,
+                rnd,
+                InvalidArgumentError(
+                    f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"
+                ),
+            )
             return
         rnd.result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing)
         log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
@@ -218,14 +249,24 @@ class RoundTable:
         missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
         quorum = self.policy.partial_quorum
         if quorum and len(rnd.contributors) >= quorum:
-            log.warning("%s closed partial (%s): averaged ranks %s, missing ranks %s",
-                        rnd.describe(job_id), reason, sorted(rnd.contributors), list(missing))
+            log.warning(
+                "%s closed partial (%s): averaged ranks %s, missing ranks %s",
+                rnd.describe(job_id),
+                reason,
+                sorted(rnd.contributors),
+                list(missing),
+            )
             self._finish(job_id, job, rnd, missing)
             return
-        self._fail(job_id, job, rnd, RoundAborted(
-            f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
-            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
-        ))
+        self._fail(
+            job_id,
+            job,
+            rnd,
+            RoundAbortedError(
+                f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
+                f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
+            ),
+        )
 
     def _fail(self, job_id: str, job: _Job, rnd: _Round, error: RoundError) -> None:
         rnd.error = error
@@ -266,7 +307,7 @@ def _answer(job_id: str, rnd: _Round, rank: int) -> RoundResult:
         raise type(rnd.error)(str(rnd.error))
     assert rnd.result is not None
     if rank not in rnd.result.contributors:
-        raise FailedPrecondition(
+        raise FailedPreconditionError(
             f"{rnd.describe(job_id)} closed at its deadline over ranks {list(rnd.result.contributors)} "
             f"without rank {rank}; this contribution was not counted"
         )
@@ -275,4 +316,4 @@ def _answer(job_id: str, rnd: _Round, rank: int) -> RoundResult:
 
 def _check_job_id(job_id: str) -> None:
     if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
-        raise InvalidArgument(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")
+        raise InvalidArgumentError(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
-from gradq.server.errors import InvalidArgument
+from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
 
 __all__ = ["Contribution", "contribution_from_proto", "result_to_proto", "join_to_proto"]
@@ -31,14 +31,14 @@ def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
     """Validate a PushPullRequest field by field.
 
     Raises:
-        InvalidArgument: naming the field, its value and what was expected.
+        InvalidArgumentError: naming the field, its value and what was expected.
     """
     if not request.HasField("tensor"):
-        raise InvalidArgument("tensor is missing; expected a QuantizedTensor with the bucket")
+        raise InvalidArgumentError("tensor is missing; expected a QuantizedTensor with the bucket")
     try:
         tensor = tensor_from_proto(request.tensor)
     except ValueError as error:
-        raise InvalidArgument(str(error)) from None
+        raise InvalidArgumentError(str(error)) from None
     return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor)
 
 

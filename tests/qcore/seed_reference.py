@@ -25,7 +25,7 @@ def calculate_qparams(min_val: float, max_val: float) -> tuple[float, int]:
     if max_val == min_val:
         return 1.0, QMIN
     scale = (max_val - min_val) / float(QMAX - QMIN)
-    zero_point = int(round(QMIN - min_val / scale))
+    zero_point = round(QMIN - min_val / scale)  # the seed wraps this in int(); round() of a float is already one
     return scale, max(QMIN, min(QMAX, zero_point))
 
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: installs gradq with its pinned test environment into .venv,
+# then runs lint (ruff), types (mypy), the generated-code drift check and pytest.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh tests/qcore -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch]'
+
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
+echo "== mypy"
+# mypy cannot follow setuptools' editable import hook, so give it the installed
+# layout (gradq.qcore -> qcore/, ...) as a tree of links.
+typecheck_root=.mypy_cache/src
+rm -rf "$typecheck_root" && mkdir -p "$typecheck_root/gradq"
+for part in qcore server client proto cli; do ln -s "$PWD/$part" "$typecheck_root/gradq/$part"; done
+MYPYPATH="$typecheck_root" .venv/bin/mypy -p gradq
+.venv/bin/mypy bench tests
+
+echo "== generated code"
+.venv/bin/python proto/generate.py --check
+
+echo "== pytest"
+.venv/bin/python -m pytest "$@"

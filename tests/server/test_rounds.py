@@ -1,0 +1,197 @@
+"""The round logic driven directly (no gRPC): means, duplicates, deadlines, quorum, staleness."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gradq.qcore import QuantConfig, Scheme, decode, encode
+from gradq.server.errors import FailedPreconditionError, InvalidArgumentError, RoundAbortedError
+from gradq.server.policy import RoundPolicy
+from gradq.server.rounds import RoundResult, RoundTable
+
+EXACT = QuantConfig(scheme=Scheme.FLOAT32)
+
+
+def contribute_all(
+    table: RoundTable,
+    ranks: list[int],
+    make: Callable[[int], np.ndarray],
+    step: int = 0,
+    bucket: int = 0,
+    config: QuantConfig = EXACT,
+) -> dict[int, RoundResult | Exception]:
+    """Each rank contributes from its own thread; returns rank -> result or exception."""
+    results: dict[int, RoundResult | Exception] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = table.contribute("job", step, bucket, rank, encode(make(rank), config))
+        except Exception as error:  # collected and asserted on by the caller
+            results[rank] = error
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def joined_table(world_size: int, **policy: object) -> RoundTable:
+    table = RoundTable(RoundPolicy(**policy))  # type: ignore[arg-type]
+    for rank in range(world_size):
+        table.join("job", rank, world_size)
+    return table
+
+
+def test_mean_of_integer_gradients_is_exact() -> None:
+    table = joined_table(4, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
+    results = contribute_all(table, [0, 1, 2, 3], lambda r: np.arange(10, dtype=np.float32) * (r + 1))
+    expected = np.arange(10, dtype=np.float32) * 2.5
+    for result in results.values():
+        assert isinstance(result, RoundResult)
+        np.testing.assert_array_equal(decode(result.mean), expected)
+        assert result.contributors == (0, 1, 2, 3) and not result.partial
+
+
+def test_duplicate_contribution_is_counted_once_and_answered_the_same() -> None:
+    table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
+    ones = encode(np.ones(8, np.float32), EXACT)
+    answers: list[RoundResult] = []
+    threads = [
+        threading.Thread(target=lambda: answers.append(table.contribute("job", 0, 0, 0, ones))) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)
+    answers.append(table.contribute("job", 0, 0, 1, encode(np.full(8, 3.0, np.float32), EXACT)))
+    for thread in threads:
+        thread.join(timeout=10)
+    retry = table.contribute("job", 0, 0, 0, ones)  # after completion: same answer, not a new round
+    assert len(answers) == 4
+    for answer in [*answers, retry]:
+        np.testing.assert_array_equal(decode(answer.mean), np.full(8, 2.0, np.float32))
+    assert retry is answers[0]
+    assert table.counters["contributions"] == 2 and table.counters["rounds_completed"] == 1
+
+
+def test_missing_rank_fails_round_at_deadline_naming_it() -> None:
+    table = joined_table(3, round_timeout_s=0.5)
+    started = time.monotonic()
+    results = contribute_all(table, [0, 2], lambda r: np.ones(4, np.float32))
+    elapsed = time.monotonic() - started
+    assert 0.45 <= elapsed < 2.0
+    for result in results.values():
+        assert isinstance(result, RoundAbortedError)
+        assert "ranks [1] missing" in str(result)
+    assert table.in_flight() == 0
+
+
+def test_partial_policy_completes_over_quorum_and_says_so() -> None:
+    table = joined_table(3, round_timeout_s=0.3, partial_quorum=2, return_scheme=Scheme.FLOAT32)
+    results = contribute_all(table, [0, 1], lambda r: np.full(4, float(r + 1), np.float32))
+    for result in results.values():
+        assert isinstance(result, RoundResult)
+        assert result.partial and result.missing == (2,) and result.contributors == (0, 1)
+        np.testing.assert_array_equal(decode(result.mean), np.full(4, 1.5, np.float32))
+    with pytest.raises(FailedPreconditionError, match="without rank 2"):
+        table.contribute("job", 0, 0, 2, encode(np.ones(4, np.float32), EXACT))
+
+
+def test_numel_mismatch_is_rejected_and_round_stays_intact() -> None:
+    table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
+    waiter = threading.Thread(target=lambda: table.contribute("job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT)))
+    waiter.start()
+    time.sleep(0.1)
+    with pytest.raises(InvalidArgumentError, match=r"tensor.numel=5 does not match numel=6"):
+        table.contribute("job", 0, 0, 1, encode(np.ones(5, np.float32), EXACT))
+    result = table.contribute("job", 0, 0, 1, encode(np.full(6, 3.0, np.float32), EXACT))
+    waiter.join(timeout=5)
+    np.testing.assert_array_equal(decode(result.mean), np.full(6, 2.0, np.float32))
+
+
+def test_unknown_job_and_rank_are_failed_preconditions() -> None:
+    table = joined_table(2, round_timeout_s=1.0)
+    tensor = encode(np.ones(3, np.float32), EXACT)
+    with pytest.raises(FailedPreconditionError, match="job 'other' has no joined ranks"):
+        table.contribute("other", 0, 0, 0, tensor)
+    table.leave("job", 1)
+    with pytest.raises(FailedPreconditionError, match=r"rank=1 has not joined job 'job'"):
+        table.contribute("job", 0, 0, 1, tensor)
+
+
+def test_stale_step_is_rejected_after_newer_rounds_finish() -> None:
+    table = joined_table(1, round_timeout_s=1.0, retain_steps=2)
+    tensor = encode(np.ones(3, np.float32), EXACT)
+    for step in range(6):
+        table.contribute("job", step, 0, 0, tensor)
+    assert table.contribute("job", 3, 0, 0, tensor).contributors == (0,)  # retained: answered again
+    with pytest.raises(FailedPreconditionError, match=r"step=2 is stale.*expected step >= 3"):
+        table.contribute("job", 2, 0, 0, tensor)
+
+
+def test_join_rejects_bad_world_and_rank() -> None:
+    table = RoundTable(RoundPolicy(world_size=4))
+    with pytest.raises(FailedPreconditionError, match="world_size=3 does not match"):
+        table.join("job", 0, 3)
+    with pytest.raises(InvalidArgumentError, match=r"rank=4 is out of range; expected 0..3"):
+        table.join("job", 4, 4)
+    with pytest.raises(InvalidArgumentError, match="job_id"):
+        table.join("", 0, 4)
+    table.join("job", 0, 4)
+    assert table.join("job", 0, 4) == (4, [0])  # rejoin is idempotent
+
+
+def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
+    table = joined_table(2, round_timeout_s=30.0)
+    outcome: list[Exception] = []
+
+    def push() -> None:
+        try:
+            table.contribute("job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
+        except Exception as error:  # asserted below
+            outcome.append(error)
+
+    waiter = threading.Thread(target=push)
+    waiter.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    table.leave("job", 1)
+    waiter.join(timeout=5)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(outcome[0], RoundAbortedError) and "rank 1 left the job" in str(outcome[0])
+
+
+def test_mean_returned_on_pushers_grid_by_default() -> None:
+    config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=4, channel_size=64)
+    table = joined_table(2, round_timeout_s=5.0)
+    rng = np.random.default_rng(1)
+    inputs = {r: rng.normal(size=1000).astype(np.float32) for r in range(2)}
+    results = contribute_all(table, [0, 1], inputs.__getitem__, config=config)
+    mean = results[0]
+    assert isinstance(mean, RoundResult)
+    assert (mean.mean.scheme, mean.mean.bits, mean.mean.channel_size) == (Scheme.PER_CHANNEL_AFFINE, 4, 64)
+
+
+def test_server_error_feedback_carries_the_return_error_forward() -> None:
+    x = np.linspace(-1.0, 1.0, 101, dtype=np.float32) ** 3
+    totals = {}
+    for feedback in (False, True):
+        table = joined_table(
+            1,
+            round_timeout_s=5.0,
+            server_error_feedback=feedback,
+            return_scheme=Scheme.PER_TENSOR_AFFINE,
+            return_bits=2,
+        )
+        sent = np.zeros_like(x)
+        for step in range(40):
+            sent += decode(table.contribute("job", step, 0, 0, encode(x, EXACT)).mean)
+        totals[feedback] = float(np.abs(sent / 40 - x).max())
+    step_size = 2.0 / 3  # 2 bits over [-1, 1]
+    assert totals[True] < 0.1 * step_size < totals[False]
