@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from types import FrameType
@@ -27,6 +28,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 # gRPC refuses messages over 4 MiB by default; a 256 MB fp32 bucket returned
 # as fp32 needs ~256 MiB, so the default leaves room for 1 GiB.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# After the rounds are settled, time for their answers to leave before the port closes.
+_ANSWER_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +100,16 @@ class AggregatorServer:
             "stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s", self.table.in_flight(), self.options.grace_s
         )
         self.health.enter_graceful_shutdown()
+        # Keep accepting pushes for rounds already started so they can complete;
+        # the table refuses new jobs and rounds from here on.
         self.table.close()
-        self._server.stop(self.options.grace_s).wait()
+        deadline = time.monotonic() + self.options.grace_s
+        while self.table.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.table.fail_in_flight("the aggregator shut down before the round completed; retry after restart")
+        if left:
+            log.warning("%d round(s) still incomplete after the grace period were failed with UNAVAILABLE", left)
+        self._server.stop(_ANSWER_GRACE_S).wait()
         self._stopped.set()
         log.info("stopped")
 

@@ -291,6 +291,18 @@ class RoundTable:
         with self._lock:
             self._closing = True
 
+    def fail_in_flight(self, reason: str) -> int:
+        """Fail every round still in flight with UNAVAILABLE (clients retry); returns how many."""
+        with self._lock:
+            waiting = [(job_id, job, r) for job_id, job in self._jobs.items() for r in job.rounds.values()]
+        failed = 0
+        for job_id, job, rnd in waiting:
+            with rnd.lock:
+                if not rnd.done.is_set():
+                    self._fail(job_id, job, rnd, UnavailableError(f"{rnd.describe(job_id)}: {reason}"))
+                    failed += 1
+        return failed
+
     def in_flight(self) -> int:
         """Rounds started and not yet finished, over all jobs."""
         with self._lock:

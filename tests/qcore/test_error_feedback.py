@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradq.qcore import ErrorFeedback, QuantConfig, Scheme, decode, encode
+from gradq.qcore import ErrorFeedback, QuantConfig, Rounding, Scheme, decode, encode
 
 # One float32 rounding: relative error at most 2**-24.
 UNIT_ROUNDOFF = 2.0**-24
@@ -20,10 +20,10 @@ UNIT_ROUNDOFF = 2.0**-24
     numel=st.integers(1, 700),
     bits=st.integers(2, 8),
     scheme=st.sampled_from([s for s in Scheme if s.is_quantized]),
-    rounding=st.sampled_from(["nearest", "stochastic"]),
+    rounding=st.sampled_from(list(Rounding)),
 )
 def test_sum_of_sends_is_sum_of_inputs_minus_final_residual(
-    seed: int, steps: int, numel: int, bits: int, scheme: Scheme, rounding: str
+    seed: int, steps: int, numel: int, bits: int, scheme: Scheme, rounding: Rounding
 ) -> None:
     rng = np.random.default_rng(seed)
     config = QuantConfig(scheme=scheme, bits=bits, channel_size=64, rounding=rounding)
@@ -42,7 +42,7 @@ def test_sum_of_sends_is_sum_of_inputs_minus_final_residual(
 
 def test_residual_is_applied_to_the_next_send_of_the_same_key() -> None:
     rng = np.random.default_rng(0)
-    config = QuantConfig("per_channel_affine", bits=2, channel_size=8)
+    config = QuantConfig(Scheme.PER_CHANNEL_AFFINE, bits=2, channel_size=8)
     first, second = rng.standard_normal((2, 20)).astype(np.float32)
     feedback = ErrorFeedback()
 
@@ -59,7 +59,7 @@ def test_residual_is_applied_to_the_next_send_of_the_same_key() -> None:
 
 def test_key_whose_size_changes_starts_fresh() -> None:
     rng = np.random.default_rng(1)
-    config = QuantConfig("per_channel_affine", bits=2, channel_size=8)
+    config = QuantConfig(Scheme.PER_CHANNEL_AFFINE, bits=2, channel_size=8)
     feedback = ErrorFeedback()
     feedback.encode("bucket", rng.standard_normal(20).astype(np.float32), config)
     feedback.encode("other", rng.standard_normal(20).astype(np.float32), config)
@@ -78,8 +78,10 @@ def test_key_whose_size_changes_starts_fresh() -> None:
     assert len(feedback) == 2
 
 
-@pytest.mark.parametrize("scheme", ["per_channel_affine", "per_tensor_symmetric"])
-def test_two_bit_error_feedback_tracks_a_constant_gradient(scheme: str) -> None:
+@pytest.mark.parametrize(
+    "scheme", [Scheme.PER_CHANNEL_AFFINE, Scheme.PER_TENSOR_SYMMETRIC], ids=lambda s: s.name.lower()
+)
+def test_two_bit_error_feedback_tracks_a_constant_gradient(scheme: Scheme) -> None:
     config = QuantConfig(scheme, bits=2, channel_size=64)
     gradient = np.random.default_rng(2).standard_normal(512).astype(np.float32)
     steps = 50

@@ -14,6 +14,7 @@ from hypothesis.extra.numpy import array_shapes
 from gradq.qcore import (
     QuantConfig,
     QuantizedArray,
+    Rounding,
     Scheme,
     decode,
     decode_accumulate,
@@ -167,9 +168,9 @@ def test_non_finite_input_is_rejected_naming_the_index(
 
 
 @SETTINGS
-@given(x=gradients(), config=quantized_configs(), rounding=st.sampled_from(["nearest", "stochastic"]))
+@given(x=gradients(), config=quantized_configs(), rounding=st.sampled_from(list(Rounding)))
 def test_fake_quantize_is_decode_of_encode_in_the_input_shape(
-    x: np.ndarray, config: QuantConfig, rounding: str
+    x: np.ndarray, config: QuantConfig, rounding: Rounding
 ) -> None:
     config = QuantConfig(scheme=config.scheme, bits=config.bits, channel_size=config.channel_size, rounding=rounding)
 
@@ -201,7 +202,10 @@ def test_decode_accumulate_rejects_a_float64_accumulator() -> None:
 
 
 @SETTINGS
-@given(x=gradients(), config=quantized_configs() | st.sampled_from([QuantConfig("float32"), QuantConfig("float16")]))
+@given(
+    x=gradients(),
+    config=quantized_configs() | st.sampled_from([QuantConfig(Scheme.FLOAT32), QuantConfig(Scheme.FLOAT16)]),
+)
 def test_payload_and_wire_sizes(x: np.ndarray, config: QuantConfig) -> None:
     q = encode(x, config)
 
@@ -213,7 +217,7 @@ def test_payload_and_wire_sizes(x: np.ndarray, config: QuantConfig) -> None:
 @SETTINGS
 @given(x=gradients())
 def test_float32_scheme_round_trips_bit_exactly(x: np.ndarray) -> None:
-    decoded = decode(encode(x, QuantConfig("float32")))
+    decoded = decode(encode(x, QuantConfig(Scheme.FLOAT32)))
 
     np.testing.assert_array_equal(decoded.view(np.uint32), x.reshape(-1).view(np.uint32))
 
@@ -221,6 +225,6 @@ def test_float32_scheme_round_trips_bit_exactly(x: np.ndarray) -> None:
 @SETTINGS
 @given(x=gradients().map(lambda a: np.clip(a, -60000.0, 60000.0)))
 def test_float16_scheme_round_trips_to_the_nearest_half(x: np.ndarray) -> None:
-    decoded = decode(encode(x, QuantConfig("float16")))
+    decoded = decode(encode(x, QuantConfig(Scheme.FLOAT16)))
 
     np.testing.assert_array_equal(decoded, x.reshape(-1).astype(np.float16).astype(np.float32))

@@ -7,10 +7,10 @@ import seed_reference as seed
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gradq.qcore import QuantConfig, decode, encode
+from gradq.qcore import QuantConfig, Scheme, decode, encode
 
-PER_TENSOR = QuantConfig(scheme="per_tensor_affine", bits=8)
-PER_CHANNEL = QuantConfig(scheme="per_channel_affine", bits=8, channel_size=seed.SEED_CHANNEL_SIZE)
+PER_TENSOR = QuantConfig(scheme=Scheme.PER_TENSOR_AFFINE, bits=8)
+PER_CHANNEL = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8, channel_size=seed.SEED_CHANNEL_SIZE)
 
 # Sizes: odd ones, ones just past a channel boundary, and exact multiples of 512
 # (where the seed pads a whole extra channel).

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradq.qcore import QuantConfig, QuantizedArray, Scheme, decode, encode
+from gradq.qcore import QuantConfig, QuantizedArray, Rounding, Scheme, decode, encode
 
 DRAWS = 2000
 CHANNEL_SIZE = 64
@@ -40,25 +40,29 @@ def mean_error_bound(scale: np.ndarray, draws: int = DRAWS) -> np.ndarray:
     return 5 * scale / (2 * np.sqrt(draws))
 
 
-def stochastic(
-    scheme: Scheme | str, bits: int, channel_size: int = CHANNEL_SIZE, seed: int | None = None
-) -> QuantConfig:
+def scheme_id(value: object) -> str | None:
+    """Readable test ids for schemes; pytest's default for everything else."""
+    return value.name.lower() if isinstance(value, Scheme) else None
+
+
+def stochastic(scheme: Scheme, bits: int, channel_size: int = CHANNEL_SIZE, seed: int | None = None) -> QuantConfig:
     """A stochastic-rounding config."""
-    return QuantConfig(scheme=scheme, bits=bits, channel_size=channel_size, rounding="stochastic", seed=seed)
+    return QuantConfig(scheme=scheme, bits=bits, channel_size=channel_size, rounding=Rounding.STOCHASTIC, seed=seed)
 
 
 @pytest.mark.parametrize(
     ("scheme", "bits"),
     [
-        ("per_channel_affine", 1),
-        ("per_channel_affine", 2),
-        ("per_channel_affine", 8),
-        ("per_channel_symmetric", 2),
-        ("per_channel_symmetric", 4),
-        ("per_tensor_affine", 4),
+        (Scheme.PER_CHANNEL_AFFINE, 1),
+        (Scheme.PER_CHANNEL_AFFINE, 2),
+        (Scheme.PER_CHANNEL_AFFINE, 8),
+        (Scheme.PER_CHANNEL_SYMMETRIC, 2),
+        (Scheme.PER_CHANNEL_SYMMETRIC, 4),
+        (Scheme.PER_TENSOR_AFFINE, 4),
     ],
+    ids=scheme_id,
 )
-def test_unbiased_for_values_inside_the_grid(scheme: str, bits: int) -> None:
+def test_unbiased_for_values_inside_the_grid(scheme: Scheme, bits: int) -> None:
     config = stochastic(scheme, bits)
     x = np.random.default_rng(bits).standard_normal(4 * CHANNEL_SIZE).astype(np.float32)
     q = encode(x, config)
@@ -76,12 +80,13 @@ def test_unbiased_for_values_inside_the_grid(scheme: str, bits: int) -> None:
     ("scheme", "values"),
     [
         # scale = 1/1.5, top level = +1 step = 0.667: x = 1.0 can never decode to more.
-        ("per_tensor_symmetric", [1.0, -0.2, 0.3]),
+        (Scheme.PER_TENSOR_SYMMETRIC, [1.0, -0.2, 0.3]),
         # scale = 1, zero point = rint(0.5) = 0: the grid is [0, 3], x = -0.5 always decodes to 0.
-        ("per_tensor_affine", [-0.5, 2.5, 1.2]),
+        (Scheme.PER_TENSOR_AFFINE, [-0.5, 2.5, 1.2]),
     ],
+    ids=scheme_id,
 )
-def test_unbiased_at_the_channel_extremes(scheme: str, values: list[float]) -> None:
+def test_unbiased_at_the_channel_extremes(scheme: Scheme, values: list[float]) -> None:
     config = stochastic(scheme, bits=2)
     x = np.array(values, np.float32)
     scale = element_scales(encode(x, config))
@@ -113,8 +118,10 @@ def test_error_is_under_one_step(scheme: Scheme, bits: int, channel_size: int, s
 def test_same_seed_gives_the_same_payload() -> None:
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
 
-    from_config = [encode(x, stochastic("per_channel_affine", 4, seed=7)).payload for _ in range(2)]
-    from_rng = [encode(x, stochastic("per_channel_affine", 4), rng=np.random.default_rng(7)).payload for _ in range(2)]
+    from_config = [encode(x, stochastic(Scheme.PER_CHANNEL_AFFINE, 4, seed=7)).payload for _ in range(2)]
+    from_rng = [
+        encode(x, stochastic(Scheme.PER_CHANNEL_AFFINE, 4), rng=np.random.default_rng(7)).payload for _ in range(2)
+    ]
 
     np.testing.assert_array_equal(from_config[0], from_config[1])
     np.testing.assert_array_equal(from_rng[0], from_rng[1])
@@ -122,11 +129,11 @@ def test_same_seed_gives_the_same_payload() -> None:
 
 def test_different_draws_give_different_payloads() -> None:
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    config = stochastic("per_channel_affine", 4)
+    config = stochastic(Scheme.PER_CHANNEL_AFFINE, 4)
     rng = np.random.default_rng(7)
 
     successive = [encode(x, config, rng=rng).payload for _ in range(2)]
-    seeded = [encode(x, stochastic("per_channel_affine", 4, seed=seed)).payload for seed in (1, 2)]
+    seeded = [encode(x, stochastic(Scheme.PER_CHANNEL_AFFINE, 4, seed=seed)).payload for seed in (1, 2)]
     fresh = [encode(x, config).payload for _ in range(2)]
 
     for first, second in (successive, seeded, fresh):

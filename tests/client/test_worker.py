@@ -1,0 +1,172 @@
+"""WorkerClient against real aggregators: means, sharding, retries across a restart, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from gradq.client import AggregationError, WorkerClient, shard_for
+from gradq.qcore import QuantConfig, Scheme, encode
+from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.policy import RoundPolicy
+
+Start = Callable[..., AggregatorServer]
+
+
+@pytest.fixture
+def start() -> Iterator[Start]:
+    servers: list[AggregatorServer] = []
+
+    def make(policy: RoundPolicy | None = None, address: str = "127.0.0.1:0") -> AggregatorServer:
+        server = AggregatorServer(policy or RoundPolicy(round_timeout_s=10.0), ServerOptions(address, grace_s=0.5))
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def run_ranks(world: int, work: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as error:  # re-raised below in the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+
+
+def test_mean_is_within_the_analytic_error_bound(start: Start) -> None:
+    server = start()
+    config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8, channel_size=128)
+    world = 3
+    rng = np.random.default_rng(7)
+    inputs = [rng.normal(scale=0.01, size=(37, 101)).astype(np.float32) for _ in range(world)]
+    results: dict[int, np.ndarray] = {}
+
+    def work(rank: int) -> None:
+        with WorkerClient(f"127.0.0.1:{server.port}", "job", rank, world, config) as client:
+            results[rank] = client.push_pull(0, 0, inputs[rank])
+
+    run_ranks(world, work)
+    exact = np.mean(inputs, axis=0, dtype=np.float64).astype(np.float32).reshape(-1)
+    # Each push errs by <= half its channel's step; the mean of those by <= their mean;
+    # the mean is re-quantized on the same grid, adding <= half of its own step.
+    push_steps = np.mean([np.repeat(encode(x, config).scale, 128)[: x.size] for x in inputs], axis=0)
+    return_step = np.repeat(encode(exact, config).scale, 128)[: exact.size]
+    bound = 0.5 * push_steps + 0.5 * return_step * 1.01 + 1e-7
+    for rank in range(world):
+        assert results[rank].shape == (37, 101)
+        assert (np.abs(results[rank].reshape(-1) - exact) <= bound).all()
+        np.testing.assert_array_equal(results[rank], results[0])
+
+
+def test_integer_gradients_average_exactly_and_async_variant_completes(start: Start) -> None:
+    server = start(RoundPolicy(round_timeout_s=10.0))
+    config = QuantConfig(scheme=Scheme.FLOAT32)
+    results: dict[int, list[np.ndarray]] = {}
+
+    def work(rank: int) -> None:
+        with WorkerClient([f"127.0.0.1:{server.port}"], "ints", rank, 4, config) as client:
+            futures = [
+                client.push_pull_async(step, 0, np.arange(64, dtype=np.float32) * (rank + step)) for step in (0,)
+            ]
+            results[rank] = [future.result(timeout=30) for future in futures]
+            results[rank].append(client.push_pull(1, 0, np.arange(64, dtype=np.float32) * (rank + 1)))
+
+    run_ranks(4, work)
+    for rank in range(4):
+        np.testing.assert_array_equal(results[rank][0], np.arange(64, dtype=np.float32) * 1.5)
+        np.testing.assert_array_equal(results[rank][1], np.arange(64, dtype=np.float32) * 2.5)
+
+
+def test_buckets_route_to_shards_deterministically(start: Start) -> None:
+    shards = [start(), start()]
+    addresses = [f"127.0.0.1:{s.port}" for s in shards]
+    assert [shard_for(b, 2) for b in range(6)] == [0, 1, 0, 1, 0, 1]
+
+    def work(rank: int) -> None:
+        with WorkerClient(addresses, "sharded", rank, 2, QuantConfig(bits=4)) as client:
+            for bucket in range(5):
+                client.push_pull(0, bucket, np.full(100, float(bucket + rank), np.float32))
+
+    run_ranks(2, work)
+    assert shards[0].table.counters["rounds_completed"] == 3  # buckets 0, 2, 4
+    assert shards[1].table.counters["rounds_completed"] == 2  # buckets 1, 3
+
+
+def test_client_retries_across_an_aggregator_restart(start: Start) -> None:
+    first = start()
+    address = f"127.0.0.1:{first.port}"
+    client = WorkerClient(address, "restart", 0, 1, QuantConfig(scheme=Scheme.FLOAT32), retry_backoff_s=0.2)
+    client.join()
+    np.testing.assert_array_equal(client.push_pull(0, 0, np.ones(4, np.float32)), np.ones(4, np.float32))
+    first.stop()
+    restarted: list[AggregatorServer] = []
+    timer = threading.Timer(0.5, lambda: restarted.append(start(address=address)))
+    timer.start()
+    result = client.push_pull(1, 0, np.full(4, 2.0, np.float32))  # UNAVAILABLE -> rejoin -> resend
+    timer.join()
+    np.testing.assert_array_equal(result, np.full(4, 2.0, np.float32))
+    assert restarted[0].table.counters["contributions"] == 1
+    client.close()
+
+
+def test_unreachable_aggregator_error_names_the_address() -> None:
+    client = WorkerClient("127.0.0.1:1", "nowhere", 0, 1, timeout_s=0.5, max_retries=0)
+    started = time.monotonic()
+    with pytest.raises(AggregationError, match=r"aggregator 127\.0\.0\.1:1: (DEADLINE_EXCEEDED|UNAVAILABLE)"):
+        client.push_pull(0, 0, np.ones(3, np.float32))
+    assert time.monotonic() - started < 5
+    client.close()
+
+
+def test_round_failure_reaches_the_caller_with_missing_ranks(start: Start) -> None:
+    server = start(RoundPolicy(round_timeout_s=0.5))
+    with (
+        WorkerClient(f"127.0.0.1:{server.port}", "lonely", 0, 2) as client,
+        pytest.raises(AggregationError, match=r"ABORTED: .*ranks \[1\] missing"),
+    ):
+        client.push_pull(0, 0, np.ones(3, np.float32))
+
+
+def test_client_error_feedback_keeps_long_run_mean_unbiased(start: Start) -> None:
+    server = start(RoundPolicy(round_timeout_s=10.0, return_scheme=Scheme.FLOAT32))
+    x = np.linspace(-1, 1, 257, dtype=np.float32) ** 3
+    config = QuantConfig(scheme=Scheme.PER_TENSOR_AFFINE, bits=2)
+    drift = {}
+    for feedback in (False, True):
+        with WorkerClient(f"127.0.0.1:{server.port}", f"ef-{feedback}", 0, 1, config, error_feedback=feedback) as c:
+            total = sum(c.push_pull(step, 0, x) for step in range(30))
+        drift[feedback] = float(np.abs(total / 30 - x).max())
+    assert drift[True] < 0.05 < drift[False]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"addresses": []}, r"addresses=\[\] is invalid"),
+        ({"rank": 3}, "rank=3 is out of range; expected 0..1"),
+        ({"world_size": 0}, "world_size=0 is invalid"),
+        ({"timeout_s": 0}, "timeout_s=0 is invalid"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"addresses": "127.0.0.1:1", "job_id": "j", "rank": 0, "world_size": 2}
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        WorkerClient(**arguments)  # type: ignore[arg-type]

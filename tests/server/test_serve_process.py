@@ -1,0 +1,143 @@
+"""`gradq serve` as a real process: help, flags and environment, SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradq.proto.convert import tensor_to_proto
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.qcore import QuantConfig, Scheme, encode
+from gradq.server.cli import build_parser
+
+
+def start_serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    port_file = tmp_path / "port"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradq.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    deadline = time.monotonic() + 30
+    while not port_file.exists() or not port_file.read_text().strip():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"gradq serve did not start: {process.communicate()[1]}")
+        time.sleep(0.05)
+    return process, int(port_file.read_text())
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_help_lists_every_flag_with_its_environment_variable() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "gradq.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in completed.stdout
+    for env in (
+        "GRADQ_PORT",
+        "GRADQ_WORLD_SIZE",
+        "GRADQ_ROUND_TIMEOUT",
+        "GRADQ_RETURN_SCHEME",
+        "GRADQ_SERVER_ERROR_FEEDBACK",
+        "GRADQ_MAX_MESSAGE_BYTES",
+        "GRADQ_PARTIAL_QUORUM",
+        "GRADQ_LOG_LEVEL",
+    ):
+        assert env in completed.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--return-scheme", "per_row"], {}, "scheme='per_row' is not a scheme"),
+        (["--partial-quorum", "5", "--world-size", "2"], {}, "partial_quorum=5 is invalid"),
+        ([], {"GRADQ_ROUND_TIMEOUT": "soon"}, "GRADQ_ROUND_TIMEOUT='soon' is invalid"),
+        (["--round-timeout", "0"], {}, "round_timeout_s=0.0 is invalid"),
+    ],
+)
+def test_bad_configuration_exits_2_with_a_message(args: list[str], env: dict[str, str], message: str) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "gradq.server", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
+    assert completed.returncode == 2
+    assert message in completed.stderr
+
+
+def test_environment_configures_the_server(tmp_path: Path, processes: list[subprocess.Popen[str]]) -> None:
+    process, port = start_serve(tmp_path, env={"GRADQ_WORLD_SIZE": "3"})
+    processes.append(process)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Join(pb.JoinRequest(job_id="j", rank=0, world_size=2), timeout=5)
+        assert "--world-size=3" in (raised.value.details() or "")
+
+
+def test_sigterm_goes_not_serving_finishes_round_in_flight_and_exits_0(
+    tmp_path: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    process, port = start_serve(tmp_path, "--world-size", "2", "--grace", "10")
+    processes.append(process)
+    tensor = tensor_to_proto(encode(np.ones(16, np.float32), QuantConfig(scheme=Scheme.FLOAT32)))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        for rank in (0, 1):
+            stub.Join(pb.JoinRequest(job_id="j", rank=rank, world_size=2), timeout=5)
+        first = stub.PushPull.future(
+            pb.PushPullRequest(job_id="j", step=0, bucket=0, rank=0, tensor=tensor), timeout=30
+        )
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        status = health_pb2.HealthCheckResponse.SERVING
+        while status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            time.sleep(0.05)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:  # no new rounds once stopping
+            stub.PushPull(pb.PushPullRequest(job_id="j", step=1, bucket=0, rank=0, tensor=tensor), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        second = stub.PushPull(pb.PushPullRequest(job_id="j", step=0, bucket=0, rank=1, tensor=tensor), timeout=5)
+        assert second.contributors == 2 and first.result().contributors == 2
+    assert process.wait(timeout=20) == 0
+    log = process.stderr.read() if process.stderr else ""
+    assert "received SIGTERM" in log and "stopped" in log
