@@ -11,12 +11,14 @@ from numba import njit
 # Non-finite floats are exactly those whose exponent bits are all ones; testing
 # the bits as integers keeps the check exact under the fast-math min/max below.
 _EXPONENT_MASK = np.int32(0x7F800000)
-_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_SMALLEST = float(np.finfo(np.float32).smallest_subnormal)
+# |x| >= 2**126 is refused like NaN/Inf (its exponent field is 0xFD or more):
+# the grid's ends, and so decoded values, then stay below float32's maximum.
+_LARGEST_EXPONENT = np.int32(0x7E800000)
 
 
 @njit(cache=True, nogil=True)
-def qparams_from_range(lo: float, hi: float, qmax: int, symmetric: bool) -> tuple[np.float32, int]:
+def qparams_from_range(lo: float, hi: float, qmax: int, symmetric: bool, stochastic: bool) -> tuple[np.float32, int]:
     """The one formula from (min, max) to (scale, zero_point), seed 000's generalised.
 
     The range is widened to include 0 (as torch's observers do) so 0.0 is always a
@@ -24,35 +26,38 @@ def qparams_from_range(lo: float, hi: float, qmax: int, symmetric: bool) -> tupl
     (scale in float64, zero point rounded half-to-even against it, scale sent as
     float32). A constant non-zero range gets scale |v| so that v is one level away
     from the zero point and round-trips exactly.
+
+    Stochastic rounding must never clamp, or it is biased at the ends: its grid
+    gets one spare step (affine: the zero point is rounded up, so the rounded grid
+    still covers [min, max]; symmetric: the positive side, one level shorter,
+    sets the step). At 1 bit affine there is no spare step to give.
     """
     mid = (qmax + 1) // 2
     if lo == hi:
         if lo == 0.0:
             return np.float32(1.0), (mid if symmetric else 0)
-        scale = abs(lo)
         # v sits one level above (v > 0) or below (v < 0) the zero point.
-        zero_point = mid if symmetric else (0 if lo > 0.0 else 1)
+        return np.float32(abs(lo)), (mid if symmetric else (0 if lo > 0.0 else 1))
+    lo = min(lo, 0.0)
+    hi = max(hi, 0.0)
+    if symmetric:
+        scale = max(-lo, hi) / ((qmax - mid) if stochastic else (qmax / 2.0))
+        zero_point = mid
+    elif stochastic and qmax > 1:
+        scale = (hi - lo) / (qmax - 1)
+        zero_point = min(int(np.ceil(-lo / scale)), qmax)
     else:
-        lo = min(lo, 0.0)
-        hi = max(hi, 0.0)
-        if symmetric:
-            scale = max(-lo, hi) / (qmax / 2.0)
-            zero_point = mid
-        else:
-            scale = (hi - lo) / qmax
-            zero_point = int(np.rint(-lo / scale))
-            zero_point = min(max(zero_point, 0), qmax)
-    # A float32 scale must stay a positive normal number: a subnormal or zero scale
-    # would overflow the division, an infinite one would zero every level.
-    scale = min(max(scale, _FLOAT32_TINY), _FLOAT32_MAX)
-    return np.float32(scale), zero_point
+        scale = (hi - lo) / qmax
+        zero_point = min(max(int(np.rint(-lo / scale)), 0), qmax)
+    # A scale that underflows float32 to 0 would make x / scale infinite.
+    return np.float32(max(scale, _FLOAT32_SMALLEST)), zero_point
 
 
 @njit(cache=True, nogil=True)
 def qparams_from_ranges(lows, highs, qmax, symmetric, scales, zero_points):  # type: ignore[no-untyped-def]
-    """Vectorised ``qparams_from_range`` over per-channel ranges (observers use it)."""
+    """Vectorised ``qparams_from_range`` (round-to-nearest grid) over per-channel ranges."""
     for c in range(lows.size):
-        scales[c], zero_points[c] = qparams_from_range(float(lows[c]), float(highs[c]), qmax, symmetric)
+        scales[c], zero_points[c] = qparams_from_range(float(lows[c]), float(highs[c]), qmax, symmetric, False)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -63,7 +68,7 @@ def _float_of_key(key):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def channel_range(x, start, stop):  # type: ignore[no-untyped-def]
-    """Min, max and a finiteness flag of x[start:stop] in one pass.
+    """Min, max and an in-range flag (finite, |x| < 2**126) of x[start:stop] in one pass.
 
     Floats are compared as sign-folded int32 keys (same order for finite values):
     integer min/max reductions vectorise where float ones do not, and the
@@ -79,7 +84,7 @@ def channel_range(x, start, stop):  # type: ignore[no-untyped-def]
         lo = min(lo, key)
         hi = max(hi, key)
         exponent = max(exponent, b & _EXPONENT_MASK)
-    return _float_of_key(lo), _float_of_key(hi), exponent != _EXPONENT_MASK
+    return _float_of_key(lo), _float_of_key(hi), exponent < _LARGEST_EXPONENT
 
 
 @njit(cache=True, nogil=True)
@@ -142,7 +147,7 @@ def quantize_fused(x, channel_size, qmax, symmetric, noise_key, levels, scales, 
         lo, hi, finite = channel_range(x, start, stop)
         if not finite:
             return c
-        scale, zero_point = qparams_from_range(float(lo), float(hi), qmax, symmetric)
+        scale, zero_point = qparams_from_range(float(lo), float(hi), qmax, symmetric, noise_key >= 0)
         scales[c] = scale
         zero_points[c] = zero_point
         quantize_channel(x, start, stop, scale, zero_point, qmax, noise_key, levels)

@@ -84,14 +84,18 @@ def _noise_key(config: QuantConfig, rng: np.random.Generator | None) -> int:
     return int(generator.integers(0, 2**62))
 
 
-def _raise_non_finite(x: np.ndarray, channel: int, channel_size: int) -> None:
-    start = channel * channel_size
-    window = x[start : start + channel_size]
-    index = start + int(np.flatnonzero(~np.isfinite(window))[0])
-    raise ValueError(
-        f"x[{index}]={float(x[index])} is not finite; expected finite gradients "
-        "(NaN/Inf cannot be put on a quantization grid)"
-    )
+# Quantized schemes refuse |x| >= 2**126 (see _kernels): such gradients mean a diverged
+# run, and refusing them keeps every decoded value finite.
+LARGEST_QUANTIZABLE = float(2.0**126)
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _raise_out_of_range(x: np.ndarray, limit: float, what: str, offset: int = 0) -> None:
+    """Raise for the first element of ``x`` with ``not |x| < limit`` (NaN included)."""
+    bad = ~(np.abs(x) < limit)
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"x[{offset + index}]={float(x[index])} cannot be encoded; expected {what}")
 
 
 def encode(
@@ -124,11 +128,12 @@ def encode(
     numel = flat.size
     scheme = config.scheme
     if not scheme.is_quantized:
-        if not np.isfinite(flat).all():
-            _raise_non_finite(flat, 0, max(numel, 1))
+        if scheme is Scheme.FLOAT16:
+            _raise_out_of_range(flat, _FLOAT16_MAX + 16.0, f"|x| <= {_FLOAT16_MAX:g}, float16's largest")
+        else:
+            _raise_out_of_range(flat, float("inf"), "finite values (no NaN or Inf)")
         wire_type = np.float16 if scheme is Scheme.FLOAT16 else np.float32
-        with np.errstate(over="ignore"):
-            payload = flat.astype(wire_type).view(np.uint8)
+        payload = flat.astype(wire_type).view(np.uint8)
         bits = 8 * np.dtype(wire_type).itemsize
         no_scale, no_zero_point = np.empty(0, np.float32), np.empty(0, np.int32)
         return QuantizedArray(scheme, bits, numel, numel, no_scale, no_zero_point, payload, dtype)
@@ -141,7 +146,7 @@ def encode(
         scale = np.empty(num_channels, np.float32)
         zero_point = np.empty(num_channels, np.int32)
         if numel == 0:
-            scale[:], zero_point[:] = kernels.qparams_from_range(0.0, 0.0, config.qmax, scheme.is_symmetric)
+            scale[:], zero_point[:] = kernels.qparams_from_range(0.0, 0.0, config.qmax, scheme.is_symmetric, False)
             bad = -1
         else:
             bad = kernels.quantize_fused(
@@ -151,7 +156,9 @@ def encode(
         scale, zero_point = _checked_qparams(qparams, num_channels, config)
         bad = kernels.quantize_with_qparams(flat, channel_size, config.qmax, noise_key, scale, zero_point, levels)
     if bad >= 0:
-        _raise_non_finite(flat, bad, channel_size)
+        start = bad * channel_size
+        window = flat[start : start + channel_size]
+        _raise_out_of_range(window, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126", start)
     if config.bits == 8:
         payload = levels
     else:

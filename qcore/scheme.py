@@ -50,7 +50,7 @@ class Scheme(enum.IntEnum):
                 return cls[value.strip().upper().replace("-", "_")]
             except KeyError:
                 pass
-        elif isinstance(value, int) and value in cls._value2member_map_:
+        elif isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
             return cls(value)
         names = ", ".join(s.name.lower() for s in cls)
         raise ValueError(f"scheme={value!r} is not a scheme; expected one of: {names}")

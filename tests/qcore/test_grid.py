@@ -99,7 +99,8 @@ def test_zeros_decode_to_exactly_zero(x: np.ndarray, config: QuantConfig) -> Non
 @SETTINGS
 @given(
     values=st.lists(
-        st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False).filter(lambda v: v != 0),
+        # Quantized schemes take |x| < 2**126 (larger is refused, tested below).
+        st.floats(-(2.0**125), 2.0**125, width=32, allow_subnormal=False).filter(lambda v: v != 0),
         min_size=1,
         max_size=5,
     ),
@@ -122,8 +123,19 @@ def test_subnormal_constant_round_trips_exactly(scheme: Scheme) -> None:
 
 
 @pytest.mark.parametrize("scheme", [Scheme.PER_CHANNEL_AFFINE, Scheme.PER_CHANNEL_SYMMETRIC], ids=scheme_id)
-def test_values_near_float32_max_stay_finite_within_half_a_step(scheme: Scheme) -> None:
-    big = np.finfo(np.float32).max
+def test_values_too_large_to_quantize_are_refused_by_index(scheme: Scheme) -> None:
+    # |x| >= 2**126 would put the grid's ends past float32's maximum on decode.
+    x = np.array([0.0, 1.0, 2.0**126, -1.0], np.float32)
+
+    with pytest.raises(
+        ValueError, match=r"x\[2\]=8\.5\d*e\+37 cannot be encoded; expected finite values with \|x\| < 2\*\*126"
+    ):
+        encode(x, QuantConfig(scheme=scheme, bits=8))
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED_SCHEMES, ids=scheme_id)
+def test_largest_quantizable_values_decode_finite_within_half_a_step(scheme: Scheme) -> None:
+    big = np.nextafter(np.float32(2.0**126), np.float32(0))
     x = np.array([-big, big, 0.0], np.float32)
 
     q = encode(x, QuantConfig(scheme=scheme, bits=8))
@@ -132,6 +144,11 @@ def test_values_near_float32_max_stay_finite_within_half_a_step(scheme: Scheme) 
     assert np.isfinite(decoded).all(), f"finite input decoded to {decoded}"
     flat = x.astype(np.float64)
     assert (np.abs(flat - decoded) <= rounding_slack(flat, element_scales(q))).all()
+
+
+def test_float16_scheme_refuses_values_it_would_turn_into_inf() -> None:
+    with pytest.raises(ValueError, match=r"x\[1\]=70000\.0 cannot be encoded; expected \|x\| <= 65504"):
+        encode(np.array([1.0, 70000.0], np.float32), QuantConfig(Scheme.FLOAT16))
 
 
 @pytest.mark.parametrize("scheme", list(Scheme), ids=scheme_id)
@@ -207,6 +224,8 @@ def test_decode_accumulate_rejects_a_float64_accumulator() -> None:
     config=quantized_configs() | st.sampled_from([QuantConfig(Scheme.FLOAT32), QuantConfig(Scheme.FLOAT16)]),
 )
 def test_payload_and_wire_sizes(x: np.ndarray, config: QuantConfig) -> None:
+    if config.scheme is Scheme.FLOAT16:
+        x = np.clip(x, -60000, 60000)  # beyond float16's range is refused (tested above)
     q = encode(x, config)
 
     assert q.payload.dtype == np.uint8

@@ -1,0 +1,33 @@
+"""Imports point one way: qcore <- server, qcore <- client <- DDP adapter (checked in fresh interpreters)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+CASES = [
+    ("gradq.qcore", ("grpc", "google.protobuf", "torch", "numba")),
+    ("gradq.server", ("torch", "gradq.client")),
+    ("gradq.server.app", ("torch", "gradq.client")),
+    ("gradq.client", ("torch", "gradq.server")),
+    ("gradq.cli", ("torch", "grpc", "numpy")),
+]
+
+
+@pytest.mark.parametrize(("module", "forbidden"), CASES)
+def test_layer_does_not_import_what_it_must_not(module: str, forbidden: tuple[str, ...]) -> None:
+    probe = f"import sys, {module}; print(','.join(m for m in {forbidden!r} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "", f"importing {module} pulled in {loaded}"
+
+
+def test_qcore_imports_in_under_a_second() -> None:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import gradq.qcore"], check=True)
+    python_alone = time.perf_counter() - started
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert python_alone - (time.perf_counter() - started) < 1.0
