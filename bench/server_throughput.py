@@ -242,7 +242,7 @@ def running_server(world_size: int) -> Iterator[ServerProcess]:
 
 @contextlib.contextmanager
 def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.AggregatorStub]]:
-    """One channel (and TCP connection) per rank, closed on the way out.
+    """One channel (and TCP connection) per rank, closed on a normal exit.
 
     Args:
         address: the server's host:port.
@@ -258,11 +258,11 @@ def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.Aggregato
         ("grpc.use_local_subchannel_pool", 1),
     ]
     channels = [grpc.insecure_channel(address, options=options) for _ in range(world_size)]
-    try:
-        yield [pb_grpc.AggregatorStub(channel) for channel in channels]
-    finally:
-        for channel in channels:
-            channel.close()
+    yield [pb_grpc.AggregatorStub(channel) for channel in channels]
+    # Not in a finally: after Ctrl-C interrupted an RPC, close() can deadlock (grpc/grpc#19973),
+    # which would keep the caller's finally from stopping the server. An exception ends the process anyway.
+    for channel in channels:
+        channel.close()
 
 
 def join_ranks(stubs: Sequence[pb_grpc.AggregatorStub]) -> None:

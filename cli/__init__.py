@@ -12,6 +12,7 @@ __all__ = ["main"]
 # `gradq serve` never loads torch and `gradq --help` loads nothing.
 _SUBCOMMANDS = {
     "serve": ("gradq.server.cli", "run the aggregator (one process per shard)"),
+    "demo": ("gradq.client.demo", "train a real model through a local aggregator and N workers (needs gradq[demo])"),
 }
 
 

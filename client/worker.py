@@ -15,7 +15,7 @@ import numpy as np
 from gradq.client import serde
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
-from gradq.qcore import ErrorFeedback, QuantConfig, encode
+from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, encode
 
 __all__ = ["WorkerClient", "AggregationError", "shard_for", "DEFAULT_MAX_MESSAGE_BYTES"]
 
@@ -177,18 +177,32 @@ class WorkerClient:
         Quantization happens on the calling thread before this returns, so the
         caller may reuse ``array`` immediately.
         """
-        shard = shard_for(bucket, len(self._stubs))
-        if not self._joined[shard]:
-            self._join_shard(shard)
         values = np.asarray(array)
         if self._error_feedback is not None:
             tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
         else:
             tensor = encode(values, self.config, rng=self._rng)
+        return self.push_pull_encoded_async(step, bucket, tensor, values.shape)
+
+    def push_pull_encoded_async(
+        self, step: int, bucket: int, tensor: QuantizedArray, shape: tuple[int, ...] | None = None
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
+
+        Args:
+            step: training step.
+            bucket: bucket index; picks the shard.
+            tensor: the encoded bucket.
+            shape: shape of the returned mean; flat when None.
+        """
+        shard = shard_for(bucket, len(self._stubs))
+        if not self._joined[shard]:
+            self._join_shard(shard)
         request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor)
         with self._lock:
             self.bytes_sent += tensor.nbytes
-        pending = _PendingPush(shard, request, values.shape, tensor.numel, concurrent.futures.Future())
+        flat_shape = (tensor.numel,) if shape is None else shape
+        pending = _PendingPush(shard, request, flat_shape, tensor.numel, concurrent.futures.Future())
         self._send(pending)
         return pending.result
 

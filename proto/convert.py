@@ -98,7 +98,8 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
         if off_grid.any():
             index = int(np.flatnonzero(off_grid)[0])
             expected = f"{(qmax + 1) // 2} (symmetric mid-point)" if scheme.is_symmetric else f"0..{qmax}"
-            raise ValueError(f"{field}.zero_point[{index}]={int(zero_point[index])} is off the grid; expected {expected}")
+            value = int(zero_point[index])
+            raise ValueError(f"{field}.zero_point[{index}]={value} is off the grid; expected {expected}")
     if message.dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")
     return QuantizedArray(

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch,demo]'
 
 echo "== ruff"
 .venv/bin/ruff check .
@@ -21,7 +21,7 @@ typecheck_root=.mypy_cache/src
 rm -rf "$typecheck_root" && mkdir -p "$typecheck_root/gradq"
 for part in qcore server client proto cli; do ln -s "$PWD/$part" "$typecheck_root/gradq/$part"; done
 MYPYPATH="$typecheck_root" .venv/bin/mypy -p gradq
-.venv/bin/mypy bench tests
+MYPYPATH="$typecheck_root" .venv/bin/mypy bench tests
 
 echo "== generated code"
 .venv/bin/python proto/generate.py --check

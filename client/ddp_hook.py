@@ -1,0 +1,235 @@
+"""The DDP comm hook: `model.register_comm_hook(GradqHookState(...), gradq_hook)`.
+
+The hook quantizes each gradient bucket, starts a PushPull and returns at once;
+the gRPC completion callback fills the returned future with the averaged bucket.
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations at
+# registration and needs real types, not strings.
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
+from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
+from gradq.client.worker import AggregationError, WorkerClient
+from gradq.qcore import QuantConfig, QuantizedArray, Rounding
+
+__all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]
+
+log = logging.getLogger(__name__)
+
+# What to do when the aggregator cannot be reached when training starts.
+FALLBACKS = ("error", "allreduce", "allgather")
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+class GradqHookState:
+    """Everything ``gradq_hook`` needs; connects lazily on the first bucket.
+
+    Args:
+        addresses: ``host:port`` of the aggregator shard(s).
+        config: how buckets are quantized.
+        error_feedback: carry each bucket's quantization error into its next step.
+        fallback: if the aggregator is unreachable at the first bucket: "error"
+            (raise, naming the address), "allreduce" (plain fp32 allreduce) or
+            "allgather" (the serverless per-channel allgather hook). All ranks
+            agree on the outcome, so they never mix collectives and RPCs.
+        job_id: shared by every rank; None lets rank 0 draw one and broadcast it.
+        timeout_s: deadline of each RPC (keep it above the server's round timeout).
+        connect_timeout_s: how long the first join waits for the aggregator.
+        process_group: the group DDP reduces over (None: the default group).
+    """
+
+    __slots__ = (
+        "_client",  # WorkerClient: a live channel, left out of the pickled form
+        "_mode",  # "gradq" or a fallback name, decided on the first bucket
+        "_residuals",  # bucket index -> device residual (error feedback for GPU buckets)
+        "addresses",  # aggregator shard addresses, in shard order
+        "config",  # the wire grid for pushes
+        "connect_timeout_s",  # first join's patience
+        "error_feedback",  # whether residuals are kept
+        "fallback",  # behaviour when the aggregator is unreachable at start
+        "job_id",  # round namespace on the aggregator, same on every rank
+        "process_group",  # DDP's group; left out of the pickled form
+        "step",  # iteration counter: with the bucket index, the round key
+        "timeout_s",  # per-RPC deadline
+    )
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        config: QuantConfig | None = None,
+        *,
+        error_feedback: bool = False,
+        fallback: str = "error",
+        job_id: str | None = None,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("addresses=[] is invalid; expected at least one 'host:port'")
+        self.config = config or QuantConfig()
+        if not self.config.scheme.is_quantized:
+            raise ValueError(f"config.scheme={self.config.scheme.name.lower()} is not quantized; use plain DDP")
+        if not timeout_s > 0 or not connect_timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s}, connect_timeout_s={connect_timeout_s}: expected both > 0")
+        self.error_feedback = error_feedback
+        self.fallback = fallback
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.process_group = process_group
+        self.step = 0
+        self._client: WorkerClient | None = None
+        self._mode: str | None = None
+        self._residuals: dict[int, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        skipped = ("_client", "_mode", "_residuals", "process_group")
+        return {name: getattr(self, name) for name in self.__slots__ if name not in skipped}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+        self._client = None
+        self._mode = None
+        self._residuals = {}
+
+    @property
+    def client(self) -> WorkerClient | None:
+        """The live WorkerClient (None before the first bucket or under a fallback)."""
+        return self._client
+
+    @property
+    def mode(self) -> str | None:
+        """ "gradq", or the fallback in use; None before the first bucket."""
+        return self._mode
+
+    def close(self) -> None:
+        """Leave the job and close the channels."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _group(self) -> dist.ProcessGroup:
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialized"
+        return group
+
+    def _connect(self) -> None:
+        """Join on every shard; all ranks then agree on gradq or the fallback."""
+        group = self._group()
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if self.job_id is None:
+            drawn = [uuid.uuid4().hex if rank == 0 else None]
+            dist.broadcast_object_list(drawn, src=dist.get_global_rank(group, 0), group=group)
+            self.job_id = f"ddp-{drawn[0]}"
+        client = WorkerClient(
+            self.addresses,
+            self.job_id,
+            rank,
+            world_size,
+            self.config,
+            error_feedback=self.error_feedback,
+            timeout_s=self.timeout_s,
+        )
+        failure: AggregationError | None = None
+        try:
+            client.timeout_s = self.connect_timeout_s
+            client.join()
+            client.timeout_s = self.timeout_s
+        except AggregationError as error:
+            failure = error
+            client.close()
+        reachable = torch.tensor([0 if failure else 1], dtype=torch.int32)
+        dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=group)
+        if reachable.item() == 1:
+            self._client, self._mode = client, "gradq"
+            return
+        if failure is None:
+            client.close()
+        where = str(failure) if failure else "another rank could not reach the aggregator"
+        if self.fallback == "error":
+            raise AggregationError(
+                failure.address if failure else ",".join(self.addresses),
+                failure.code if failure else None,
+                f"unreachable at start ({where}); choose fallback='allreduce' or 'allgather' to train without it",
+            )
+        log.warning("aggregator unreachable (%s); falling back to %s", where, self.fallback)
+        self._mode = self.fallback
+
+
+def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` through the gradq aggregator without blocking backward.
+
+    Args:
+        state: the GradqHookState registered with the model.
+        bucket: DDP's flattened gradient bucket (fp32, fp16 or bf16; CPU or CUDA).
+
+    Returns:
+        A future DDP waits on, completed by the gRPC callback with the mean
+        bucket (same shape, dtype and device as ``bucket.buffer()``).
+    """
+    if state.mode is None:
+        state._connect()
+    if state.mode != "gradq":
+        return _FALLBACK_HOOKS[str(state.mode)](state, bucket)
+    client = state.client
+    assert client is not None
+    buffer = bucket.buffer()
+    key, step = bucket.index(), state.step
+    if bucket.is_last():
+        # DDP launches buckets in index order, so the last one closes the iteration on every rank.
+        state.step += 1
+    if buffer.is_cuda and state.config.rounding is Rounding.NEAREST:
+        pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
+    else:
+        host = buffer.detach().float().cpu().numpy()
+        pending = client.push_pull_async(step, key, host)
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def deliver(done: Any) -> None:
+        try:
+            mean = done.result()
+        except Exception as error:  # handed to DDP, which raises it in backward
+            result.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
+            return
+        result.set_result(torch.from_numpy(np.asarray(mean)).to(buffer.device, buffer.dtype).view_as(buffer))
+
+    pending.add_done_callback(deliver)
+    return result
+
+
+def _encode_on_device(state: GradqHookState, key: int, buffer: torch.Tensor) -> QuantizedArray:
+    values = buffer.detach().float()
+    if state.error_feedback:
+        residual = state._residuals.get(key)
+        if residual is not None and residual.numel() == values.numel():
+            values = values + residual
+    encoded, dequantized = quantize_tensor(values, state.config, dtype=torch_dtype_name(buffer.dtype))
+    if state.error_feedback:
+        state._residuals[key] = values - dequantized
+    return encoded
+
+
+def _fallback_allreduce(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return allreduce_mean_hook(state._group(), bucket)
+
+
+def _fallback_allgather(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return allgather_perchannel_hook(state._group(), bucket, state.config.channel_size, state.config.bits)
+
+
+_FALLBACK_HOOKS: dict[str, Hook] = {"allreduce": _fallback_allreduce, "allgather": _fallback_allgather}

@@ -1,0 +1,187 @@
+"""`gradq demo`: a local aggregator and N DDP workers train a real model, then a short report."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from gradq.client.training import TrainResult, TrainSpec, train_digits
+from gradq.qcore import QuantConfig, Scheme
+
+__all__ = ["main", "run_job", "local_aggregator", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_aggregator(world_size: int, *extra: str) -> Iterator[str]:
+    """Run `gradq serve` on a free loopback port for the duration; yields its address."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gradq.server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--world-size",
+                str(world_size),
+                "--log-level",
+                "WARNING",
+                *extra,
+            ],
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (port_file.exists() and port_file.read_text().strip()):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the local aggregator did not start (exit status {process.poll()})")
+                time.sleep(0.05)
+            yield f"127.0.0.1:{int(port_file.read_text())}"
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _rank_main(rank: int, spec: TrainSpec, results: mp.SimpleQueue) -> None:
+    results.put(train_digits(rank, spec))
+
+
+def run_job(spec: TrainSpec) -> list[TrainResult]:
+    """Spawn ``spec.world_size`` ranks, train, and return their results in rank order."""
+    queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(_rank_main, args=(spec, queue), nprocs=spec.world_size, join=False)
+    results: list[TrainResult] = []
+    # Drain while waiting: a rank blocks on a full pipe until its result is read.
+    while True:
+        while not queue.empty():
+            results.append(queue.get())
+        if ranks.join(timeout=0.2):  # raises if a rank failed
+            break
+    while not queue.empty():
+        results.append(queue.get())
+    return sorted(results, key=lambda result: result.rank)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradq demo",
+        description="Start a local gradq aggregator and N DDP worker processes (gloo) that train an MLP on "
+        "scikit-learn's digits through it, then compare with the same run on plain fp32 allreduce.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--workers", type=int, default=2, help="DDP ranks (processes)")
+    parser.add_argument("--bits", type=int, default=4, help="bits per gradient element, 1..8")
+    parser.add_argument(
+        "--scheme",
+        default="per_channel_affine",
+        help="per_channel_affine, per_channel_symmetric, per_tensor_affine or per_tensor_symmetric",
+    )
+    parser.add_argument(
+        "--error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="carry each bucket's quantization error into its next step",
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training split")
+    parser.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train with plain fp32 allreduce and report both",
+    )
+    parser.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=90.0,
+        help="exit status 0 only if gradq's test accuracy (percent) reaches this",
+    )
+    parser.add_argument(
+        "--aggregator",
+        action="append",
+        default=[],
+        help="use this running aggregator (host:port; repeat for shards) instead of a local one",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; exit status 0 when gradq reaches ``--min-accuracy``."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers} is invalid; expected >= 1")
+    if args.epochs < 1:
+        parser.error(f"--epochs={args.epochs} is invalid; expected >= 1")
+    try:
+        config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
+    except ValueError as error:
+        parser.error(str(error))
+    if not config.scheme.is_quantized:
+        parser.error(f"--scheme={args.scheme} is not a quantized scheme")
+    label = f"gradq {config.bits}-bit {config.scheme.name.lower()}{' + EF' if args.error_feedback else ''}"
+    base = TrainSpec(
+        world_size=args.workers,
+        init_method="",
+        config=config,
+        error_feedback=args.error_feedback,
+        epochs=args.epochs,
+        progress=True,
+    )
+    print(f"gradq demo: {args.workers} workers, MLP 64-128-128-10 on scikit-learn digits, {args.epochs} epochs")
+    with contextlib.ExitStack() as stack:
+        addresses = args.aggregator or [stack.enter_context(local_aggregator(args.workers))]
+        print(f"{label} via aggregator {', '.join(addresses)}")
+        gradq_runs = run_job(replace(base, init_method=f"tcp://127.0.0.1:{free_port()}", aggregators=tuple(addresses)))
+    rows = [(label, gradq_runs)]
+    if args.compare:
+        print("fp32 allreduce (for comparison)")
+        rows.append(("fp32 allreduce", run_job(replace(base, init_method=f"tcp://127.0.0.1:{free_port()}"))))
+    _report(rows)
+    accuracy = gradq_runs[0].accuracy
+    verdict = accuracy >= args.min_accuracy
+    print(
+        f"verdict: {'PASS' if verdict else 'FAIL'} (gradq accuracy {accuracy:.1f}% vs --min-accuracy "
+        f"{args.min_accuracy:.1f}%)"
+    )
+    return 0 if verdict else 1
+
+
+def _report(rows: list[tuple[str, list[TrainResult]]]) -> None:
+    print()
+    print(f"| {'run':<46} | accuracy | final loss | ms/step | bytes sent/worker/step | vs fp32 |")
+    print(f"|{'-' * 48}|---------:|-----------:|--------:|-----------------------:|--------:|")
+    for label, results in rows:
+        first = results[0]
+        per_step = first.bytes_sent / max(first.steps, 1)
+        fp32_per_step = first.fp32_bytes / max(first.steps, 1)
+        sent = f"{per_step:,.0f}" if first.bytes_sent else f"{fp32_per_step:,.0f} (fp32)"
+        ratio = f"{per_step / fp32_per_step:.3f}x" if first.bytes_sent else "1.000x"
+        print(
+            f"| {label:<46} | {first.accuracy:7.1f}% | {first.last_loss:10.4f} | "
+            f"{1000 * first.seconds_per_step:7.2f} | {sent:>22} | {ratio:>7} |"
+        )
+    print()
