@@ -39,6 +39,7 @@ for _variable in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OP
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -242,7 +243,7 @@ def running_server(world_size: int) -> Iterator[ServerProcess]:
 
 @contextlib.contextmanager
 def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.AggregatorStub]]:
-    """One channel (and TCP connection) per rank, closed on a normal exit.
+    """One channel (and TCP connection) per rank, closed on the way out.
 
     Args:
         address: the server's host:port.
@@ -258,18 +259,44 @@ def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.Aggregato
         ("grpc.use_local_subchannel_pool", 1),
     ]
     channels = [grpc.insecure_channel(address, options=options) for _ in range(world_size)]
-    yield [pb_grpc.AggregatorStub(channel) for channel in channels]
-    # Not in a finally: after Ctrl-C interrupted an RPC, close() can deadlock (grpc/grpc#19973),
-    # which would keep the caller's finally from stopping the server. An exception ends the process anyway.
-    for channel in channels:
-        channel.close()
+    try:
+        yield [pb_grpc.AggregatorStub(channel) for channel in channels]
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+@contextlib.contextmanager
+def interrupt_deferred() -> Iterator[None]:
+    """Hold Ctrl-C while gRPC calls are being started; raise KeyboardInterrupt once they all are.
+
+    A KeyboardInterrupt raised inside ``future()`` can leave a call registered with
+    no thread to complete it, and closing its channel then never returns
+    (grpc/grpc#19973), so the server would never be stopped either.
+    """
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def join_ranks(stubs: Sequence[pb_grpc.AggregatorStub]) -> None:
     """Join every rank to ``JOB_ID``, waiting for the server to accept connections."""
-    for rank, stub in enumerate(stubs):
-        request = pb.JoinRequest(job_id=JOB_ID, rank=rank, world_size=len(stubs))
-        stub.Join(request, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+    with interrupt_deferred():
+        calls = [
+            stub.Join.future(
+                pb.JoinRequest(job_id=JOB_ID, rank=rank, world_size=len(stubs)),
+                timeout=CALL_TIMEOUT_S,
+                wait_for_ready=True,
+            )
+            for rank, stub in enumerate(stubs)
+        ]
+    for call in calls:
+        call.result()
 
 
 def build_requests(gradients: Sequence[np.ndarray], config: QuantConfig) -> list[pb.PushPullRequest]:
@@ -301,10 +328,11 @@ def push_round(
         RuntimeError: a round closed without every rank.
     """
     calls = []
-    for stub, request in zip(stubs, requests, strict=True):
-        # future() serializes the request before returning, so rewriting the step is safe.
-        request.step = step
-        calls.append(stub.PushPull.future(request, timeout=CALL_TIMEOUT_S))
+    with interrupt_deferred():
+        for stub, request in zip(stubs, requests, strict=True):
+            # future() serializes the request before returning, so rewriting the step is safe.
+            request.step = step
+            calls.append(stub.PushPull.future(request, timeout=CALL_TIMEOUT_S))
     responses = [call.result() for call in calls]
     for response in responses:
         if response.partial or response.contributors != len(requests):

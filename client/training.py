@@ -33,6 +33,7 @@ class TrainSpec:
         config: the push grid when ``aggregators`` is set.
         error_feedback: keep per-bucket residuals.
         fallback: the hook's policy when the aggregator is unreachable.
+        connect_timeout_s: how long the hook's first join waits for the aggregator.
         epochs, batch_size, learning_rate, seed: the usual.
         hidden: width of the MLP's hidden layers.
         dtype: parameter dtype ("float32", "bfloat16", "float16").
@@ -44,6 +45,7 @@ class TrainSpec:
     config: QuantConfig = field(default_factory=QuantConfig)
     error_feedback: bool = False
     fallback: str = "error"
+    connect_timeout_s: float = 10.0
     epochs: int = 20
     batch_size: int = 32
     learning_rate: float = 0.05

@@ -1,0 +1,87 @@
+"""Spawned-rank helpers for the DDP tests: one parameter whose gradient each rank chooses."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradq.client.allgather_hooks import allgather_perchannel_hook, allgather_pertensor_hook
+from gradq.client.ddp_hook import GradqHookState, gradq_hook
+
+
+class Probe(nn.Module):
+    """loss = sum(w * g): the gradient of w is exactly g."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(numel, dtype=dtype))
+
+    def forward(self, gradient: torch.Tensor) -> torch.Tensor:
+        return (self.weight * gradient).sum()
+
+
+def reduced_gradients(
+    rank: int,
+    world: int,
+    init_method: str,
+    hook: str,
+    gradients: list[np.ndarray],
+    dtype: str,
+    state: GradqHookState | None,
+    queue: mp.SimpleQueue,
+) -> None:
+    """Run ``len(gradients[rank])`` backward passes; put the reduced gradients on ``queue``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        torch_dtype = getattr(torch, dtype)
+        model = DistributedDataParallel(Probe(gradients[0][0].size, torch_dtype))
+        if hook == "gradq":
+            assert state is not None
+            model.register_comm_hook(state, gradq_hook)
+        elif hook == "allgather_pertensor":
+            model.register_comm_hook(None, allgather_pertensor_hook)
+        elif hook == "allgather_perchannel":
+            model.register_comm_hook(None, allgather_perchannel_hook)
+        reduced = []
+        for step_gradient in gradients[rank]:
+            model.zero_grad()
+            model(torch.from_numpy(step_gradient).to(torch_dtype)).backward()
+            grad = model.module.weight.grad
+            assert grad is not None and grad.dtype == torch_dtype
+            reduced.append(grad.float().numpy().copy())
+        queue.put((rank, reduced))
+        if state is not None:
+            state.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(
+    world: int,
+    init_method: str,
+    hook: str,
+    gradients: list[np.ndarray],
+    dtype: str = "float32",
+    state: GradqHookState | None = None,
+) -> dict[int, list[np.ndarray]]:
+    """Spawn ``world`` ranks; returns rank -> reduced gradient per step."""
+    queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(
+        reduced_gradients, args=(world, init_method, hook, gradients, dtype, state, queue), nprocs=world, join=False
+    )
+    results: dict[int, list[np.ndarray]] = {}
+    while True:
+        while not queue.empty():
+            rank, reduced = queue.get()
+            results[rank] = reduced
+        if ranks.join(timeout=0.2):
+            break
+    while not queue.empty():
+        rank, reduced = queue.get()
+        results[rank] = reduced
+    return results
