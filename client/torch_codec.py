@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from gradq.qcore import QuantConfig, QuantizedArray, Rounding
+from gradq.qcore import QuantConfig, QuantizedArray, Rounding, encode
 from gradq.qcore.codec import LARGEST_QUANTIZABLE
 
 __all__ = ["quantize_tensor", "torch_dtype_name"]
@@ -90,8 +90,8 @@ def quantize_tensor(
     numel = flat.numel()
     channel_size = config.channel_size if config.scheme.is_per_channel else max(numel, 1)
     channels = -(-numel // channel_size) if config.scheme.is_per_channel else 1
-    if numel == 0:
-        flat = torch.zeros(1, device=flat.device)
+    if numel == 0:  # nothing to move: qcore states the empty case once
+        return encode(np.empty(0, np.float32), config, dtype=dtype or torch_dtype_name(tensor.dtype)), flat
     # Pad with the last value, which leaves the last channel's min and max unchanged.
     padded = torch.cat([flat, flat[-1:].expand(channels * channel_size - flat.numel())]).view(channels, channel_size)
     lo, hi = padded.amin(dim=1), padded.amax(dim=1)

@@ -29,7 +29,7 @@ def reduced_gradients(
     world: int,
     init_method: str,
     hook: str,
-    gradients: list[np.ndarray],
+    gradients: list[list[np.ndarray]],
     dtype: str,
     state: GradqHookState | None,
     queue: mp.SimpleQueue,
@@ -65,7 +65,7 @@ def run(
     world: int,
     init_method: str,
     hook: str,
-    gradients: list[np.ndarray],
+    gradients: list[list[np.ndarray]],
     dtype: str = "float32",
     state: GradqHookState | None = None,
 ) -> dict[int, list[np.ndarray]]:

@@ -25,10 +25,15 @@ INT8 = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8, channel_size=4)
 
 
 def push(
-    stub: Stub, rank: int, values: np.ndarray, step: int = 0, bucket: int = 0, **fields: object
+    stub: Stub,
+    rank: int,
+    values: np.ndarray,
+    step: int = 0,
+    bucket: int = 0,
+    fields: dict[str, object] | None = None,
 ) -> pb.PushPullRequest:
     tensor = tensor_to_proto(encode(values, INT8))
-    for name, value in fields.items():
+    for name, value in (fields or {}).items():
         setattr(tensor, name, value)
     return pb.PushPullRequest(job_id="job", step=step, bucket=bucket, rank=rank, tensor=tensor)
 
@@ -84,7 +89,7 @@ def test_bad_tensor_is_invalid_argument_and_next_round_is_exact(
     join(stub, 2)
     good = stub.PushPull.future(push(stub, 1, np.ones(8, np.float32)), timeout=10)  # a round in flight
     with pytest.raises(grpc.RpcError) as raised:
-        stub.PushPull(push(stub, 0, np.ones(8, np.float32), **fields), timeout=10)
+        stub.PushPull(push(stub, 0, np.ones(8, np.float32), fields=fields), timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (raised.value.details() or "")
     stub.PushPull(push(stub, 0, np.full(8, 3.0, np.float32)), timeout=10)
