@@ -37,6 +37,8 @@ class TrainSpec:
         epochs, batch_size, learning_rate, seed: the usual.
         hidden: width of the MLP's hidden layers.
         dtype: parameter dtype ("float32", "bfloat16", "float16").
+        device: "cpu" or a CUDA device such as "cuda" (the hook then quantizes on it).
+        progress: rank 0 prints loss and accuracy after every epoch.
     """
 
     world_size: int
@@ -52,6 +54,7 @@ class TrainSpec:
     seed: int = 0
     hidden: int = 128
     dtype: str = "float32"
+    device: str = "cpu"
     progress: bool = False
 
 
@@ -96,7 +99,8 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         dtype = getattr(torch, spec.dtype)
         x_train, y_train, x_test, y_test = load_digits_split(spec.seed)
         torch.manual_seed(spec.seed + rank)  # DDP broadcasts rank 0's initial weights anyway
-        model = DistributedDataParallel(_model(spec.hidden).to(dtype))
+        device = torch.device(spec.device)
+        model = DistributedDataParallel(_model(spec.hidden).to(device, dtype))
         if spec.aggregators:
             state = GradqHookState(
                 list(spec.aggregators),
@@ -115,8 +119,9 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
             epoch_losses = []
             for begin in range(0, len(order) - spec.batch_size + 1, spec.batch_size):
                 batch = order[begin : begin + spec.batch_size]
-                inputs = torch.from_numpy(x_train[batch]).to(dtype)
-                loss = nn.functional.cross_entropy(model(inputs).float(), torch.from_numpy(y_train[batch]))
+                inputs = torch.from_numpy(x_train[batch]).to(device, dtype)
+                labels = torch.from_numpy(y_train[batch]).to(device)
+                loss = nn.functional.cross_entropy(model(inputs).float(), labels)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -124,7 +129,7 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 steps += 1
             losses.append(float(np.mean(epoch_losses)))
             if spec.progress and rank == 0:
-                accuracy = _accuracy(model, x_test, y_test, dtype)
+                accuracy = _accuracy(model, x_test, y_test, device, dtype)
                 print(
                     f"  epoch {epoch + 1:>3}/{spec.epochs}  loss {losses[-1]:.4f}  test accuracy {accuracy:5.1f}%",
                     flush=True,
@@ -134,14 +139,14 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         client = state.client if state is not None else None
         return TrainResult(
             rank=rank,
-            accuracy=_accuracy(model, x_test, y_test, dtype),
+            accuracy=_accuracy(model, x_test, y_test, device, dtype),
             first_loss=losses[0],
             last_loss=losses[-1],
             steps=steps,
             seconds_per_step=elapsed / max(steps, 1),
             bytes_sent=client.bytes_sent if client is not None else 0,
             fp32_bytes=4 * numel * steps,
-            parameters=torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).numpy(),
+            parameters=torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu().numpy(),
             mode=(state.mode or "gradq") if state is not None else "allreduce",
         )
     finally:
@@ -150,7 +155,9 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         dist.destroy_process_group()
 
 
-def _accuracy(model: nn.Module, features: np.ndarray, labels: np.ndarray, dtype: torch.dtype) -> float:
+def _accuracy(
+    model: nn.Module, features: np.ndarray, labels: np.ndarray, device: torch.device, dtype: torch.dtype
+) -> float:
     with torch.no_grad():
-        predicted = model(torch.from_numpy(features).to(dtype)).argmax(dim=1).numpy()
+        predicted = model(torch.from_numpy(features).to(device, dtype)).argmax(dim=1).cpu().numpy()
     return float(100.0 * np.mean(predicted == labels))

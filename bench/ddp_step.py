@@ -1,0 +1,648 @@
+"""DDP step time and wire bytes of gradq beside gloo allreduce, PyTorch's fp16 hook and seed 000's allgather hooks.
+
+Run from the repository root with the virtualenv's interpreter::
+
+    python bench/ddp_step.py                     # world 2 and 4, every method; report only, exits 0
+    python bench/ddp_step.py --check             # exits 1 when a target is missed
+    python bench/ddp_step.py --worlds 2 --methods allreduce gradq-8bit --steps 50
+
+Every row is one DDP job on gloo over loopback: W spawned ranks (one thread each)
+train a 784-2048-2048-10 MLP (5,824,522 parameters) on synthetic data (fixed
+seed, batch 32, 10 classes) with plain SGD. After ``--warmup`` untimed steps
+(which also cover DDP's bucket rebuild, gradq's join and numba's first call),
+rank 0 times ``--steps`` steps (forward + backward + optimizer.step, wall clock)
+and the row shows their median. Seed 000's per-channel hook loops over
+512-element channels in Python (~0.65 s a step at world 2), so its row takes
+``--slow-steps`` timed steps after one warm-up step.
+
+The gradq rows push to a real aggregator (``python -m gradq.server``, one per
+world size, a distinct job per row). The seed rows run a faithful torch port of
+seed 000's two hooks, kept in this file as the baseline (see
+``seed_pertensor_hook``). PyTorch's own quantization hooks are not measured: on
+CPU/gloo they crash (they index gloo's all_gather result as if it were NCCL's).
+
+On a small machine the ranks share the cores with each other and with the
+aggregator: world 4 on 2 cores runs 4 ranks plus the aggregator on 2 cores, so
+its times include waiting for a core; compare rows within one world size. This is
+a benchmark, not a test.
+"""
+
+import os
+
+# One thread per process, here and (through the inherited environment) in the ranks and the aggregator.
+for _variable in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_variable] = "1"
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations at
+# registration and needs real types, not strings.
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from gradq.client.allgather_hooks import allgather_perchannel_hook  # noqa: E402
+from gradq.client.ddp_hook import GradqHookState, gradq_hook  # noqa: E402
+from gradq.client.demo import free_port, local_aggregator  # noqa: E402
+from gradq.qcore import METADATA_BYTES, QuantConfig, Scheme, wire_size  # noqa: E402
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+LAYERS = (784, 2048, 2048, 10)
+BATCH_SIZE = 32
+CLASSES = 10
+DISTINCT_BATCHES = 8  # cycled through; synthetic, fixed per rank
+LEARNING_RATE = 0.01
+SEED = 0
+FP32_BYTES = 4
+FP16_BYTES = 2
+SEED_QMAX = 255  # seed 000 quantizes to uint8 levels 0..255
+SEED_CHANNEL_SIZE = 512  # seed 000's per-channel ``bucket_size``
+SLOW_WARMUP_STEPS = 1  # seed per-channel: enough for DDP's bucket rebuild, it has nothing to compile
+# Time targets hold at this world size; wire targets at every one.
+TARGET_WORLD = 2
+TARGET_VS_ALLREDUCE = 1.2
+TARGET_VS_SEED_PERTENSOR = 0.5
+TARGET_WIRE_RATIO = {8: 0.26, 4: 0.14}
+# "Not growing with world size": per-worker bytes may differ by rounding only.
+WIRE_GROWTH_TOLERANCE = 1.001
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One row kind of the report."""
+
+    key: str  # name on the command line
+    label: str  # name in the table
+    bits: int | None = None  # gradq push bits; None when the row needs no aggregator
+    slow: bool = False  # timed for --slow-steps after SLOW_WARMUP_STEPS
+
+
+METHODS = (
+    Method("no-comm", "no communication"),
+    Method("allreduce", "gloo allreduce fp32"),
+    Method("fp16", "fp16 compress hook"),
+    Method("seed-pertensor", "seed allgather per-tensor"),
+    Method("seed-perchannel", "seed allgather per-channel", slow=True),
+    Method("gradq-allgather", "gradq allgather per-channel"),
+    Method("gradq-8bit", "gradq 8-bit", bits=8),
+    Method("gradq-4bit", "gradq 4-bit", bits=4),
+)
+METHOD_BY_KEY = {method.key: method for method in METHODS}
+
+
+# -- seed 000's hooks, ported from tensorplay to torch -------------------------------------------
+#
+# Kept as the seed wrote them (uint8 affine, its own min/max observers with
+# .item() per channel, Python loops over channels, two all_gathers, nested
+# futures). One change: gloo's all_gather future holds the output list itself,
+# where NCCL's holds [output list], so the seed's ``fut.wait()[0]`` reads
+# ``fut.wait()`` here (indexing gloo's result with [0] is what crashes PyTorch's
+# copy of these hooks on CPU).
+
+
+def _seed_quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
+    y = torch.round(x / scale) + zero_point
+    return torch.clamp(y, 0, SEED_QMAX).to(torch.uint8)
+
+
+def _seed_dequantize_per_tensor(y: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
+    return scale * (y.to(torch.float32) - zero_point)
+
+
+def _seed_quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(x.shape, device=x.device)
+    for i in range(x.size(0)):
+        y[i, :] = torch.round(x[i, :] / scale[i]) + zero_point[i]
+    return torch.clamp(y, 0, SEED_QMAX).to(torch.uint8)
+
+
+def _seed_dequantize_per_channel(y: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    levels = y.to(torch.float32)
+    x = torch.zeros_like(levels)
+    for i in range(x.size(0)):
+        x[i, :] = scale[i] * (levels[i, :] - zero_point[i])
+    return x
+
+
+def _seed_qparams(min_val: float, max_val: float) -> tuple[float, int]:
+    if max_val == min_val:
+        return 1.0, 0
+    scale = (max_val - min_val) / float(SEED_QMAX)
+    zero_point = int(round(0 - min_val / scale))
+    return scale, max(0, min(SEED_QMAX, zero_point))
+
+
+def _seed_qparams_per_channel(channels: torch.Tensor) -> torch.Tensor:
+    """The seed's per-channel observer: one .item() per channel for min and for max; (2, C) float32."""
+    min_vals = [channels[i].min().item() for i in range(channels.size(0))]
+    max_vals = [channels[i].max().item() for i in range(channels.size(0))]
+    pairs = [_seed_qparams(low, high) for low, high in zip(min_vals, max_vals, strict=True)]
+    scales = torch.tensor([scale for scale, _ in pairs], dtype=torch.float32)
+    zero_points = torch.tensor([zero_point for _, zero_point in pairs], dtype=torch.int64)
+    return torch.stack((scales, zero_points))  # promoted to float32, as in the seed
+
+
+def _seed_gather_list(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    return [torch.zeros_like(tensor) for _ in range(world_size)]
+
+
+def seed_pertensor_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Seed 000's ``quantization_pertensor_hook``: uint8 per-tensor affine over two all_gathers.
+
+    Args:
+        process_group: group to average over (None: the default group).
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        Future of the mean bucket.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    tensor = bucket.buffer()
+    scale, zero_point = _seed_qparams(tensor.min().item(), tensor.max().item())
+    s_and_z = torch.tensor([scale, zero_point], dtype=torch.float32)
+    all_ranks_s_and_z = _seed_gather_list(s_and_z, world_size)
+    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
+
+    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+        gathered = fut.wait()
+        quantized = _seed_quantize_per_tensor(tensor, gathered[rank][0].item(), gathered[rank][1].item())
+        out = _seed_gather_list(quantized, world_size)
+        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
+
+    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        all_ranks_quantized = fut.wait()
+        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
+        for r, quantized in enumerate(all_ranks_quantized):
+            aggregated += _seed_dequantize_per_tensor(
+                quantized, all_ranks_s_and_z[r][0].item(), all_ranks_s_and_z[r][1].item()
+            )
+        return aggregated / world_size
+
+    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
+
+
+def seed_perchannel_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Seed 000's ``quantization_perchannel_hook``: uint8 affine per 512-element channel, Python loops.
+
+    Args:
+        process_group: group to average over (None: the default group).
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        Future of the mean bucket.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    tensor = bucket.buffer()
+    # As in the seed: a whole channel of padding when the length is already a multiple.
+    padding = SEED_CHANNEL_SIZE - len(tensor) % SEED_CHANNEL_SIZE
+    tensor_in_channels = nn.functional.pad(tensor, (0, padding), value=0.0).view(-1, SEED_CHANNEL_SIZE)
+    s_and_z = _seed_qparams_per_channel(tensor_in_channels)
+    all_ranks_s_and_z = _seed_gather_list(s_and_z, world_size)
+    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
+
+    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+        gathered = fut.wait()
+        quantized = _seed_quantize_per_channel(tensor_in_channels, gathered[rank][0, :], gathered[rank][1, :])
+        out = _seed_gather_list(quantized, world_size)
+        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
+
+    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        all_ranks_quantized = fut.wait()
+        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
+        for r, quantized in enumerate(all_ranks_quantized):
+            aggregated += _seed_dequantize_per_channel(quantized, all_ranks_s_and_z[r][0], all_ranks_s_and_z[r][1])
+        return aggregated.reshape(-1)[: tensor.size(0)] / world_size
+
+    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
+
+
+# -- the other hooks and what each allgather row puts on the wire ---------------------------------
+
+
+def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hand DDP its own bucket back at once: the step without any communication."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _seed_pertensor_gather_bytes(numel: int) -> int:
+    return numel + 2 * FP32_BYTES  # uint8 levels + float32 (scale, zero_point)
+
+
+def _seed_perchannel_gather_bytes(numel: int) -> int:
+    channels = (numel + SEED_CHANNEL_SIZE - numel % SEED_CHANNEL_SIZE) // SEED_CHANNEL_SIZE
+    return channels * SEED_CHANNEL_SIZE + 2 * FP32_BYTES * channels  # padded uint8 levels + float32 (2, C)
+
+
+def _gradq_allgather_gather_bytes(numel: int) -> int:
+    # The hook gathers the payload and the qparams, not the wire message's fixed fields.
+    return wire_size(numel, QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8)) - METADATA_BYTES
+
+
+HOOKS: dict[str, Hook] = {
+    "no-comm": no_communication_hook,
+    "fp16": fp16_compress_hook,
+    "seed-pertensor": seed_pertensor_hook,
+    "seed-perchannel": seed_perchannel_hook,
+    "gradq-allgather": allgather_perchannel_hook,
+}
+# Bytes one rank contributes to each all_gather of a bucket of `numel` elements.
+GATHER_BYTES: dict[str, Callable[[int], int]] = {
+    "seed-pertensor": _seed_pertensor_gather_bytes,
+    "seed-perchannel": _seed_perchannel_gather_bytes,
+    "gradq-allgather": _gradq_allgather_gather_bytes,
+}
+
+
+class BucketRecordingState:
+    """State of ``bucket_recording_hook``: runs a hook and remembers each bucket's size."""
+
+    __slots__ = (
+        "bucket_numels",  # bucket index -> elements, as of the latest step (DDP's rebuilt layout)
+        "hook",  # the hook measured, called with state None (the default group)
+    )
+
+    def __init__(self, hook: Hook) -> None:
+        self.hook = hook
+        self.bucket_numels: dict[int, int] = {}
+
+
+def bucket_recording_hook(
+    state: BucketRecordingState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Record the bucket's size, then run ``state.hook`` on it."""
+    state.bucket_numels[bucket.index()] = bucket.buffer().numel()
+    return state.hook(None, bucket)
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, element_bytes: int) -> float:
+    """Bytes one worker sends in a ring allreduce: reduce-scatter then allgather, (W-1)/W each."""
+    return 2 * (world_size - 1) / world_size * element_bytes * numel
+
+
+# -- one job --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank of one row's job runs."""
+
+    method: Method
+    world_size: int
+    init_method: str  # tcp://127.0.0.1:PORT
+    warmup: int  # untimed steps first
+    steps: int  # timed steps
+    address: str | None  # the aggregator, for gradq rows
+    job_id: str  # the gradq job, distinct per row
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """What rank 0 measured."""
+
+    step_seconds: tuple[float, ...]  # timed steps, in order
+    numel: int  # model parameters
+    sent_per_step: float  # wire bytes this worker sends per step
+    received_per_step: float | None  # gradq: bytes pulled per step (the encoded means)
+
+
+def _model() -> nn.Module:
+    widths = zip(LAYERS[:-1], LAYERS[1:], strict=True)
+    layers: list[nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(widths):
+        layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if index < len(LAYERS) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(SEED + rank)
+    return [
+        (
+            torch.randn(BATCH_SIZE, LAYERS[0], generator=generator),
+            torch.randint(0, CLASSES, (BATCH_SIZE,), generator=generator),
+        )
+        for _ in range(DISTINCT_BATCHES)
+    ]
+
+
+def _gradq_counters(state: GradqHookState) -> tuple[int, int]:
+    client = state.client
+    assert client is not None, "the gradq hook has not connected (run at least one warm-up step)"
+    return client.bytes_sent, client.bytes_received
+
+
+def _run_rank(rank: int, spec: RankSpec, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size)
+    gradq_state: GradqHookState | None = None
+    try:
+        torch.manual_seed(SEED)
+        model = DistributedDataParallel(_model())
+        numel = sum(parameter.numel() for parameter in model.parameters())
+        key, bits = spec.method.key, spec.method.bits
+        recording: BucketRecordingState | None = None
+        if bits is not None:
+            assert spec.address is not None, f"{key} needs an aggregator address"
+            gradq_state = GradqHookState(spec.address, QuantConfig(bits=bits), job_id=spec.job_id)
+            model.register_comm_hook(gradq_state, gradq_hook)
+        elif key in GATHER_BYTES:
+            recording = BucketRecordingState(HOOKS[key])
+            model.register_comm_hook(recording, bucket_recording_hook)
+        elif key in HOOKS:
+            model.register_comm_hook(None, HOOKS[key])
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        batches = _batches(rank)
+        step_seconds = []
+        counters_before = (0, 0)
+        for step in range(spec.warmup + spec.steps):
+            if step == spec.warmup and gradq_state is not None:
+                counters_before = _gradq_counters(gradq_state)
+            inputs, labels = batches[step % len(batches)]
+            optimizer.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            nn.functional.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+            if step >= spec.warmup:
+                step_seconds.append(time.perf_counter() - started)
+        received: float | None = None
+        if gradq_state is not None:
+            counters_after = _gradq_counters(gradq_state)
+            sent = (counters_after[0] - counters_before[0]) / spec.steps
+            received = (counters_after[1] - counters_before[1]) / spec.steps
+        elif recording is not None:
+            per_bucket = GATHER_BYTES[key]
+            gathered = sum(per_bucket(bucket) for bucket in recording.bucket_numels.values())
+            sent = (spec.world_size - 1) * gathered
+        elif key == "allreduce":
+            sent = ring_allreduce_bytes(numel, spec.world_size, FP32_BYTES)
+        elif key == "fp16":
+            sent = ring_allreduce_bytes(numel, spec.world_size, FP16_BYTES)
+        else:
+            sent = 0.0
+        if rank == 0:
+            results.put(RankResult(tuple(step_seconds), numel, sent, received))
+    finally:
+        if gradq_state is not None:
+            gradq_state.close()
+        dist.destroy_process_group()
+
+
+def run_row(spec: RankSpec) -> RankResult:
+    """Spawn ``spec.world_size`` ranks, run the job, return rank 0's measurements."""
+    queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(_run_rank, args=(spec, queue), nprocs=spec.world_size, join=False)
+    results: list[RankResult] = []
+    # Drain while waiting: a rank blocks on a full pipe until its result is read.
+    while True:
+        while not queue.empty():
+            results.append(queue.get())
+        if ranks.join(timeout=0.2):  # raises if a rank failed
+            break
+    while not queue.empty():
+        results.append(queue.get())
+    if len(results) != 1:
+        raise RuntimeError(f"{spec.method.key} at world {spec.world_size}: got {len(results)} results; expected 1")
+    return results[0]
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One (method, world size) measurement."""
+
+    method: Method
+    world_size: int
+    result: RankResult
+
+    @property
+    def median_s(self) -> float:
+        """Median step time of rank 0."""
+        return statistics.median(self.result.step_seconds)
+
+    @property
+    def fp32_ratio(self) -> float:
+        """Wire bytes sent per worker per step over the fp32 gradient (4 x parameters)."""
+        return self.result.sent_per_step / (FP32_BYTES * self.result.numel)
+
+
+def _find(rows: Sequence[Row], key: str, world_size: int) -> Row | None:
+    return next((row for row in rows if row.method.key == key and row.world_size == world_size), None)
+
+
+def _times(row: Row, reference: Row | None) -> str:
+    return f"{row.median_s / reference.median_s:.2f}x" if reference is not None else "-"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The markdown table, one line per row."""
+    lines = [
+        "| method | world | timed steps | median ms/step | x vs allreduce | x vs seed per-tensor "
+        "| wire bytes/worker/step (sent) [a] | x fp32 | gradq pulled bytes/worker/step [b] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        received = row.result.received_per_step
+        lines.append(
+            f"| {row.method.label} | {row.world_size} | {len(row.result.step_seconds)} | {1e3 * row.median_s:.1f} "
+            f"| {_times(row, _find(rows, 'allreduce', row.world_size))} "
+            f"| {_times(row, _find(rows, 'seed-pertensor', row.world_size))} "
+            f"| {row.result.sent_per_step:,.0f} | {row.fp32_ratio:.3f} "
+            f"| {'-' if received is None else f'{received:,.0f}'} |"
+        )
+    return "\n".join(lines)
+
+
+FOOTNOTES = """\
+[a] What one worker sends per step. gradq: WorkerClient.bytes_sent over the timed steps
+    (payload + per-channel scale and zero point + a 32-byte bound for the message's fixed
+    fields; protobuf, HTTP/2 and TCP framing not counted). gloo allreduce fp32 / fp16 hook:
+    a ring allreduce is assumed, 2(W-1)/W x 4 (or 2) bytes x parameters. allgather rows:
+    a ring allgather is assumed, so a worker sends (W-1) copies of its contribution
+    (levels + qparams, for each of its two all_gathers) per bucket; the seed per-channel
+    row pads every bucket to whole 512-element channels and ships zero points as float32.
+    x fp32 = sent bytes / (4 x parameters).
+[b] WorkerClient.bytes_received over the timed steps: the encoded means pulled back
+    (8-bit means in both gradq rows: the aggregator answers on its own grid)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One target's outcome."""
+
+    name: str
+    passed: bool | None  # None: not measured in this run
+    detail: str
+
+    def line(self) -> str:
+        """``- PASS name: detail``."""
+        outcome = "SKIP" if self.passed is None else "PASS" if self.passed else "FAIL"
+        return f"- {outcome} {self.name}: {self.detail}"
+
+
+def _time_target(rows: Sequence[Row], reference_key: str, limit: float, name: str) -> Verdict:
+    gradq, reference = _find(rows, "gradq-8bit", TARGET_WORLD), _find(rows, reference_key, TARGET_WORLD)
+    if gradq is None or reference is None:
+        return Verdict(name, None, f"needs gradq-8bit and {reference_key} at world {TARGET_WORLD}")
+    ratio = gradq.median_s / reference.median_s
+    detail = (
+        f"{1e3 * gradq.median_s:.1f} ms vs {1e3 * reference.median_s:.1f} ms = {ratio:.2f}x (limit {limit:.2f}x)"
+    )
+    return Verdict(name, ratio <= limit, detail)
+
+
+def _wire_target(rows: Sequence[Row], bits: int) -> Verdict:
+    limit = TARGET_WIRE_RATIO[bits]
+    name = f"gradq {bits}-bit wire bytes/worker/step <= {limit}x fp32 at every world size"
+    measured = [row for row in rows if row.method.bits == bits]
+    if not measured:
+        return Verdict(name, None, f"needs gradq-{bits}bit")
+    detail = ", ".join(f"world {row.world_size}: {row.fp32_ratio:.4f}x" for row in measured)
+    return Verdict(name, all(row.fp32_ratio <= limit for row in measured), detail)
+
+
+def _growth_target(rows: Sequence[Row], bits: int) -> Verdict:
+    name = f"gradq {bits}-bit wire bytes/worker/step do not grow with world size"
+    measured = sorted((row for row in rows if row.method.bits == bits), key=lambda row: row.world_size)
+    if len(measured) < 2:
+        return Verdict(name, None, f"needs gradq-{bits}bit at two or more world sizes")
+    sent = [row.result.sent_per_step for row in measured]
+    detail = ", ".join(f"world {row.world_size}: {row.result.sent_per_step:,.0f} B" for row in measured)
+    return Verdict(name, max(sent) <= sent[0] * WIRE_GROWTH_TOLERANCE, detail)
+
+
+def targets(rows: Sequence[Row]) -> list[Verdict]:
+    """Every target of the issue, judged on the measured rows."""
+    return [
+        _time_target(
+            rows,
+            "allreduce",
+            TARGET_VS_ALLREDUCE,
+            f"gradq 8-bit step <= {TARGET_VS_ALLREDUCE}x gloo allreduce fp32 at world {TARGET_WORLD}",
+        ),
+        _time_target(
+            rows,
+            "seed-pertensor",
+            TARGET_VS_SEED_PERTENSOR,
+            f"gradq 8-bit step <= {TARGET_VS_SEED_PERTENSOR}x seed allgather per-tensor at world {TARGET_WORLD}",
+        ),
+        _wire_target(rows, 8),
+        _wire_target(rows, 4),
+        _growth_target(rows, 8),
+        _growth_target(rows, 4),
+    ]
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; expected an integer >= 1")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--worlds", type=_positive, nargs="+", default=[2, 4], help="world sizes (ranks per job)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHOD_BY_KEY), default=list(METHOD_BY_KEY), help="rows to measure"
+    )
+    parser.add_argument("--warmup", type=_positive, default=5, help="untimed steps before the timed ones")
+    parser.add_argument("--steps", type=_positive, default=20, help="timed steps per row")
+    parser.add_argument(
+        "--slow-steps",
+        type=_positive,
+        default=5,
+        help=f"timed steps for the seed per-channel row (after {SLOW_WARMUP_STEPS} warm-up step)",
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def _aggregator_if_needed(world_size: int, methods: Sequence[Method]) -> Iterator[str | None]:
+    if any(method.bits is not None for method in methods):
+        with local_aggregator(world_size) as address:
+            yield address
+    else:
+        yield None
+
+
+def measure(args: argparse.Namespace) -> list[Row]:
+    """Run every selected (world size, method) job; one aggregator per world size."""
+    methods = [METHOD_BY_KEY[key] for key in args.methods]
+    rows = []
+    for world_size in args.worlds:
+        with _aggregator_if_needed(world_size, methods) as address:
+            for method in methods:
+                port = free_port()
+                spec = RankSpec(
+                    method=method,
+                    world_size=world_size,
+                    init_method=f"tcp://127.0.0.1:{port}",
+                    warmup=SLOW_WARMUP_STEPS if method.slow else args.warmup,
+                    steps=args.slow_steps if method.slow else args.steps,
+                    address=address,
+                    job_id=f"bench-ddp-step-{method.key}-w{world_size}-{port}",
+                )
+                print(f"world {world_size}: {method.label} ...", file=sys.stderr, flush=True)
+                rows.append(Row(method, world_size, run_row(spec)))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, print the table and the targets.
+
+    Args:
+        argv: command-line arguments; None reads ``sys.argv``.
+
+    Returns:
+        0, or 1 with ``--check`` when a target failed.
+    """
+    args = parse_args(argv)
+    parameters = sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(LAYERS[:-1], LAYERS[1:], strict=True))
+    print(
+        f"# DDP step: MLP {'-'.join(map(str, LAYERS))} ({parameters:,} parameters), batch {BATCH_SIZE}, SGD, "
+        f"gloo on loopback, 1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks and the aggregator; "
+        f"median of rank 0 over {args.steps} timed steps after {args.warmup} warm-up "
+        f"(seed per-channel: {args.slow_steps} after {SLOW_WARMUP_STEPS})\n",
+        flush=True,
+    )
+    rows = measure(args)
+    print(format_table(rows))
+    print()
+    print(FOOTNOTES)
+    print("\n## targets\n")
+    verdicts = targets(rows)
+    for verdict in verdicts:
+        print(verdict.line())
+    failed = any(verdict.passed is False for verdict in verdicts)
+    return 1 if args.check and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
