@@ -20,7 +20,10 @@ in a synchronous data-parallel step.
 The server is restarted for every (bits, W) configuration, so each row's peak
 RSS belongs to that configuration alone and no earlier job's retained rounds
 or allocator high-water mark leak into it. The restart costs a second or two
-of start-up, outside the timed rounds.
+of start-up, outside the timed rounds. The server imports numba on its first
+push, so its RSS after the warm-up rounds includes numba, its baseline does not.
+The warm-up round's mean is checked against the exact mean of the pushes.
+Ctrl-C stops the server (SIGTERM, then SIGKILL) before the script exits.
 
 GB/s is W x 4 bytes x numel x rounds / seconds (1 GB = 1e9 bytes); wire MB
 (1 MB = 1e6 bytes) is one rank's PushPullRequest plus PushPullResponse as
@@ -70,7 +73,7 @@ JOB_ID = "bench-server-throughput"
 START_TIMEOUT_S = 60.0  # for the server to write its port file
 CALL_TIMEOUT_S = 120.0  # deadline of every RPC
 STOP_TIMEOUT_S = 15.0  # after SIGTERM, before SIGKILL
-SERVER_GRACE_S = 2.0  # the server's own --grace: nothing is in flight when we stop it
+SERVER_GRACE_S = 2.0  # the server's own --grace: rounds are normally all answered when we stop it
 MEAN_TOLERANCE_STEPS = 1.0  # the returned mean may be off the exact mean by at most one grid step
 MB = 1e6
 GB = 1e9
@@ -90,6 +93,7 @@ class Row:
     warm_rss: int  # server RSS after the warm-up rounds
     peak_rss: int  # largest server RSS sampled, warm-up included
     server_cpu_s: float  # server user + system CPU seconds during the timed rounds
+    client_cpu_s: float  # the same for this process (all W ranks), which shares the machine
 
     @property
     def rounds_per_s(self) -> float:
@@ -105,6 +109,11 @@ class Row:
     def server_cores(self) -> float:
         """Average number of cores the server kept busy during the timed rounds."""
         return self.server_cpu_s / self.seconds
+
+    @property
+    def client_cores(self) -> float:
+        """Average number of cores the W simulated ranks kept busy during the timed rounds."""
+        return self.client_cpu_s / self.seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,12 +364,13 @@ def check_mean(response: pb.PushPullResponse, requests: Sequence[pb.PushPullRequ
         decode_accumulate(tensor, expected)
     expected /= np.float32(len(pushed))
     mean = tensor_from_proto(response.mean)
+    values = decode(mean)
     grid_step = np.repeat(mean.scale, mean.channel_size)[: mean.numel]
-    error = np.abs(decode(mean) - expected) / grid_step
+    error = np.abs(values - expected) / grid_step
     worst = int(np.argmax(error))
     if error[worst] > MEAN_TOLERANCE_STEPS:
         raise RuntimeError(
-            f"mean[{worst}]={decode(mean)[worst]!r} is {error[worst]:.2f} grid steps from the exact mean "
+            f"mean[{worst}]={values[worst]!r} is {error[worst]:.2f} grid steps from the exact mean "
             f"{expected[worst]!r}; expected <= {MEAN_TOLERANCE_STEPS:g}"
         )
 
@@ -368,6 +378,25 @@ def check_mean(response: pb.PushPullResponse, requests: Sequence[pb.PushPullRequ
 def _cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return float(times.user + times.system)
+
+
+def time_rounds(
+    stubs: Sequence[pb_grpc.AggregatorStub],
+    requests: Sequence[pb.PushPullRequest],
+    steps: range,
+    processes: Sequence[psutil.Process],
+) -> tuple[float, list[float]]:
+    """Run one round per step, back to back.
+
+    Returns:
+        (wall seconds, CPU seconds of each of ``processes``) over all the rounds.
+    """
+    cpu_before = [_cpu_seconds(process) for process in processes]
+    start = time.perf_counter()
+    for step in steps:
+        push_round(stubs, requests, step)
+    seconds = time.perf_counter() - start
+    return seconds, [_cpu_seconds(process) - before for process, before in zip(processes, cpu_before, strict=True)]
 
 
 def measure_config(bits: int, gradients: Sequence[np.ndarray], rounds: int) -> Row:
@@ -392,12 +421,8 @@ def measure_config(bits: int, gradients: Sequence[np.ndarray], rounds: int) -> R
                 responses = push_round(stubs, requests, step)
             check_mean(responses[0], requests)
             warm_rss = sampler.sample()
-            cpu_before = _cpu_seconds(process)
-            start = time.perf_counter()
-            for step in range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds):
-                push_round(stubs, requests, step)
-            seconds = time.perf_counter() - start
-            server_cpu_s = _cpu_seconds(process) - cpu_before
+            steps = range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds)
+            seconds, (server_cpu_s, client_cpu_s) = time_rounds(stubs, requests, steps, [process, psutil.Process()])
     return Row(
         bits=bits,
         world_size=world_size,
@@ -409,6 +434,7 @@ def measure_config(bits: int, gradients: Sequence[np.ndarray], rounds: int) -> R
         warm_rss=warm_rss,
         peak_rss=sampler.peak_bytes,
         server_cpu_s=server_cpu_s,
+        client_cpu_s=client_cpu_s,
     )
 
 
@@ -440,14 +466,15 @@ def format_table(rows: Sequence[Row]) -> str:
     """Render the rows as a markdown table."""
     lines = [
         "| bits | W | rounds/s | GB/s fp32 aggregated | wire MB/worker/round (push+pull) | "
-        "server RSS before 1st push MB | RSS after warm-up MB | peak RSS MB | server CPU (cores) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "server RSS before 1st push MB | RSS after warm-up MB | peak RSS MB | server CPU (cores) | "
+        "workers CPU (cores) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row.bits} | {row.world_size} | {row.rounds_per_s:.2f} | {row.gbps:.2f} | {row.wire_bytes / MB:.2f} | "
             f"{row.baseline_rss / MB:.0f} | {row.warm_rss / MB:.0f} | {row.peak_rss / MB:.0f} | "
-            f"{row.server_cores:.2f} |"
+            f"{row.server_cores:.2f} | {row.client_cores:.2f} |"
         )
     return "\n".join(lines)
 
@@ -523,7 +550,8 @@ def run(args: argparse.Namespace) -> None:
     print(format_table(rows), flush=True)
     print(
         "\nGB/s = W x 4 B x numel x rounds / s (1e9 B). Wire MB = one rank's request + response protobuf bytes "
-        "(1e6 B). Server CPU = its user+system seconds / wall seconds over the timed rounds.\n"
+        "(1e6 B). CPU = user+system seconds / wall seconds over the timed rounds, of the server process and of "
+        "this one (all W workers).\n"
     )
     print(format_verdict(rows, encode_s, decode_s))
 

@@ -71,21 +71,22 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
             raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected >= 1 for {scheme.name}")
     elif channel_size != max(numel, 1) and channel_size != numel:
         raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected numel={numel} for {scheme.name}")
+    # Each access to a bytes field copies it out of the message: read each once.
+    payload, scale_bytes, zero_point_bytes = message.payload, message.scale, message.zero_point
     payload_bytes = (numel * bits + 7) // 8
-    if len(message.payload) != payload_bytes:
+    if len(payload) != payload_bytes:
         raise ValueError(
-            f"{field}.payload has {len(message.payload)} bytes; expected ceil(numel * bits / 8) = "
+            f"{field}.payload has {len(payload)} bytes; expected ceil(numel * bits / 8) = "
             f"{payload_bytes} for numel={numel}, bits={bits}"
         )
     channels = _expected_channels(scheme, numel, channel_size)
-    for name in ("scale", "zero_point"):
-        size = len(getattr(message, name))
-        if size != 4 * channels:
+    for name, raw in (("scale", scale_bytes), ("zero_point", zero_point_bytes)):
+        if len(raw) != 4 * channels:
             raise ValueError(
-                f"{field}.{name} has {size} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
+                f"{field}.{name} has {len(raw)} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
             )
-    scale = np.frombuffer(message.scale, "<f4")
-    zero_point = np.frombuffer(message.zero_point, "<i4")
+    scale = np.frombuffer(scale_bytes, "<f4")
+    zero_point = np.frombuffer(zero_point_bytes, "<i4")
     bad_scale = ~(np.isfinite(scale) & (scale > 0))
     if bad_scale.any():
         index = int(np.flatnonzero(bad_scale)[0])
@@ -100,6 +101,11 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
             expected = f"{(qmax + 1) // 2} (symmetric mid-point)" if scheme.is_symmetric else f"0..{qmax}"
             value = int(zero_point[index])
             raise ValueError(f"{field}.zero_point[{index}]={value} is off the grid; expected {expected}")
+    if not scheme.is_quantized:
+        values = np.frombuffer(payload, np.float16 if scheme is Scheme.FLOAT16 else np.float32)
+        if not np.isfinite(values).all():
+            index = int(np.flatnonzero(~np.isfinite(values))[0])
+            raise ValueError(f"{field}.payload[{index}]={float(values[index])} is not finite; expected finite values")
     if message.dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")
     return QuantizedArray(
@@ -109,6 +115,6 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
         channel_size=channel_size,
         scale=scale,
         zero_point=zero_point,
-        payload=np.frombuffer(message.payload, np.uint8),
+        payload=np.frombuffer(payload, np.uint8),
         dtype=message.dtype,
     )

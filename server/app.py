@@ -14,17 +14,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
-from gradq.server.servicer import AggregatorServicer
+from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
 
 __all__ = ["AggregatorServer", "ServerOptions", "SERVICE_NAME", "DEFAULT_MAX_MESSAGE_BYTES"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 # gRPC refuses messages over 4 MiB by default; a 256 MB fp32 bucket returned
 # as fp32 needs ~256 MiB, so the default leaves room for 1 GiB.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
@@ -56,7 +53,7 @@ class AggregatorServer:
     def __init__(self, policy: RoundPolicy, options: ServerOptions) -> None:
         self.policy = policy
         self.options = options
-        self.table = RoundTable(policy)
+        self.table = RoundTable(policy, package=package_result)
         self.health = health.HealthServicer()
         limits = [
             ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -64,7 +61,7 @@ class AggregatorServer:
         ]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), options=limits)
         self.servicer = AggregatorServicer(self.table)
-        pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
+        add_aggregator_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, QuantizedArray, Scheme
+from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, Scheme
 
-__all__ = ["RoundPolicy", "return_config_for"]
+__all__ = ["RoundPolicy", "PushedGrid", "return_config_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,18 @@ class RoundPolicy:
             QuantConfig(scheme=self.return_scheme, bits=self.return_bits)
 
 
-def return_config_for(policy: RoundPolicy, pushed: QuantizedArray) -> QuantConfig:
+@dataclass(frozen=True, slots=True)
+class PushedGrid:
+    """What a round remembers of its first contribution: enough to validate and answer."""
+
+    scheme: Scheme
+    bits: int
+    channel_size: int
+    numel: int
+    dtype: str
+
+
+def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:
     """The grid the round's mean goes back on: the policy's, or the pushers' own."""
     channel_size = pushed.channel_size if pushed.scheme.is_per_channel else DEFAULT_CHANNEL_SIZE
     if policy.return_scheme is None:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,9 +24,9 @@ from gradq.server.errors import (
     RoundError,
     UnavailableError,
 )
-from gradq.server.policy import RoundPolicy, return_config_for
+from gradq.server.policy import PushedGrid, RoundPolicy, return_config_for
 
-__all__ = ["RoundTable", "RoundResult", "MAX_JOB_ID_LENGTH"]
+__all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class RoundResult:
     mean: QuantizedArray
     contributors: tuple[int, ...]
     missing: tuple[int, ...] = ()
+    # The answer in its wire form, built once per round by the table's ``package``
+    # callable, so W waiters do not serialize the same mean W times.
+    packaged: object = None
 
     @property
     def partial(self) -> bool:
@@ -61,7 +64,7 @@ class _Round:
         "step",
     )
 
-    def __init__(self, step: int, bucket: int, pushed: QuantizedArray, deadline: float) -> None:
+    def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
         self.step = step
         self.bucket = bucket
         # The first contribution fixes numel and, by default, the return grid.
@@ -76,6 +79,16 @@ class _Round:
 
     def describe(self, job_id: str) -> str:
         return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTicket:
+    """A contribution accepted by ``push``; hand it to ``wait`` for the answer."""
+
+    job_id: str
+    job: _Job
+    round: _Round
+    rank: int
 
 
 @dataclass(slots=True)
@@ -94,11 +107,19 @@ class RoundTable:
     Args:
         policy: deadlines, quorum and return scheme.
         clock: monotonic seconds; tests may pass their own.
+        package: turns a finished round's result into its wire answer, once
+            per round (stored as ``RoundResult.packaged``).
     """
 
-    def __init__(self, policy: RoundPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: RoundPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        package: Callable[[RoundResult], object] | None = None,
+    ) -> None:
         self.policy = policy
         self._clock = clock
+        self._package = package
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._closing = False
@@ -169,16 +190,19 @@ class RoundTable:
     # -- the round --------------------------------------------------------------------------
 
     def contribute(self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> RoundResult:
-        """Add ``rank``'s bucket to round (job, step, bucket) and wait for the mean.
+        """``wait(push(...))``: add ``rank``'s bucket to the round and wait for the mean."""
+        return self.wait(self.push(job_id, step, bucket, rank, tensor))
 
-        A duplicate of an accepted contribution is not counted again and gets the
-        same answer. Blocks at most until the round's deadline.
+    def push(self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> RoundTicket:
+        """Add ``rank``'s bucket to round (job, step, bucket); returns at once.
+
+        The tensor is dequantized into the round's accumulator before this
+        returns, so the caller can drop it (and its message) before waiting.
+        A duplicate of an accepted contribution is not counted again.
 
         Raises:
             InvalidArgumentError: numel disagrees with the round's.
-            FailedPreconditionError: unknown job or rank, stale step, or a partial round
-                that closed without this rank.
-            RoundAbortedError: the round's deadline passed with ranks missing.
+            FailedPreconditionError: unknown job or rank, or a stale step.
             UnavailableError: the aggregator is shutting down and the round is new.
         """
         with self._lock:
@@ -199,7 +223,8 @@ class RoundTable:
                     )
                 if self._closing:
                     raise UnavailableError("the aggregator is shutting down; no new rounds are started")
-                rnd = _Round(step, bucket, tensor, self._clock() + self.policy.round_timeout_s)
+                grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
+                rnd = _Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
                 job.rounds[(step, bucket)] = rnd
             elif tensor.numel != rnd.pushed.numel:
                 raise InvalidArgumentError(
@@ -213,11 +238,23 @@ class RoundTable:
                 rnd.contributors.add(rank)
                 if len(rnd.contributors) == job.world_size:
                     self._finish(job_id, job, rnd)
+        return RoundTicket(job_id, job, rnd, rank)
+
+    def wait(self, ticket: RoundTicket) -> RoundResult:
+        """Block until the ticket's round finishes (at most until its deadline) and answer.
+
+        Raises:
+            FailedPreconditionError: a partial round closed without this rank.
+            RoundAbortedError: the round's deadline passed with ranks missing.
+            UnavailableError: the aggregator shut down before the round completed.
+        """
+        rnd = ticket.round
         if not rnd.done.wait(max(0.0, rnd.deadline - self._clock())):
             with rnd.lock:
                 if not rnd.done.is_set():
-                    self._close_early(job_id, job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed")
-        return _answer(job_id, rnd, rank)
+                    reason = f"deadline of {self.policy.round_timeout_s:g} s passed"
+                    self._close_early(ticket.job_id, ticket.job, rnd, reason)
+        return _answer(ticket.job_id, rnd, ticket.rank)
 
     def _finish(self, job_id: str, job: _Job, rnd: _Round, missing: tuple[int, ...] = ()) -> None:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
@@ -240,7 +277,8 @@ class RoundTable:
                 ),
             )
             return
-        rnd.result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing)
+        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing)
+        rnd.result = replace(result, packaged=self._package(result)) if self._package else result
         log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
         self._release(job, rnd, "rounds_partial" if missing else "rounds_completed")
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
 
-__all__ = ["Contribution", "contribution_from_proto", "result_to_proto", "join_to_proto"]
+__all__ = ["Contribution", "contribution_from_bytes", "contribution_from_proto", "result_to_proto", "join_to_proto"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,19 @@ def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from None
     return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor)
+
+
+def contribution_from_bytes(data: bytes) -> Contribution:
+    """Parse and validate a serialized PushPullRequest.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a PushPullRequest, or a field is invalid.
+    """
+    try:
+        request = pb.PushPullRequest.FromString(data)
+    except DecodeError as error:
+        raise InvalidArgumentError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
+    return contribution_from_proto(request)
 
 
 def result_to_proto(result: RoundResult) -> pb.PushPullResponse:

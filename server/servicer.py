@@ -1,4 +1,11 @@
-"""AggregatorServicer: decode, call the round logic, map its errors to gRPC statuses."""
+"""AggregatorServicer: decode, call the round logic, map its errors to gRPC statuses.
+
+PushPull is registered by hand (``add_aggregator_to_server``) rather than
+through the generated helper, for two savings measured in
+bench/server_throughput.py: the request arrives as raw bytes and is dropped
+once it is in the accumulator (a waiting handler holds no payload), and the
+response is serialized once per round, not once per waiting rank.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,31 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.server import serde
 from gradq.server.errors import RoundError
-from gradq.server.rounds import RoundTable
+from gradq.server.rounds import RoundResult, RoundTable
 
-__all__ = ["AggregatorServicer"]
+__all__ = ["AggregatorServicer", "add_aggregator_to_server", "SERVICE_NAME"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 
 T = TypeVar("T")
 
 
-class AggregatorServicer(pb_grpc.AggregatorServicer):
+class RawRequest:
+    """A request's undecoded bytes; the handler parses them and lets them go."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def take(self) -> bytes:
+        data, self.data = self.data, b""
+        return data
+
+
+class AggregatorServicer:
     """Thin: every method is decode -> RoundTable -> encode."""
 
     def __init__(self, table: RoundTable) -> None:
@@ -28,27 +49,62 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.server_id = uuid.uuid4().hex
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:  # noqa: N802
-        world_size, joined = _call(context, lambda: self.table.join(request.job_id, request.rank, request.world_size))
+        world_size, joined = _call(context, self.table.join, request.job_id, request.rank, request.world_size)
         return serde.join_to_proto(world_size, joined, self.server_id)
 
-    def PushPull(self, request: pb.PushPullRequest, context: grpc.ServicerContext) -> pb.PushPullResponse:  # noqa: N802
-        contribution = _call(context, lambda: serde.contribution_from_proto(request))
-        result = _call(
+    def PushPull(self, raw: RawRequest, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        contribution = _call(context, serde.contribution_from_bytes, raw.take())
+        ticket = _call(
             context,
-            lambda: self.table.contribute(
-                contribution.job_id, contribution.step, contribution.bucket, contribution.rank, contribution.tensor
-            ),
+            self.table.push,
+            contribution.job_id,
+            contribution.step,
+            contribution.bucket,
+            contribution.rank,
+            contribution.tensor,
         )
-        return serde.result_to_proto(result)
+        del contribution  # accumulated: nothing of the payload need outlive the push
+        result = _call(context, self.table.wait, ticket)
+        assert isinstance(result.packaged, bytes), "the table packages every result"
+        return result.packaged
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:  # noqa: N802
-        _call(context, lambda: self.table.leave(request.job_id, request.rank))
+        _call(context, self.table.leave, request.job_id, request.rank)
         return pb.LeaveResponse()
 
 
-def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:
+def package_result(result: RoundResult) -> bytes:
+    """The serialized PushPullResponse for a finished round (the table calls this once)."""
+    return serde.result_to_proto(result).SerializeToString()
+
+
+def _as_bytes(response: bytes) -> bytes:
+    return response
+
+
+def add_aggregator_to_server(servicer: AggregatorServicer, server: grpc.Server) -> None:
+    """Register the Aggregator service's three methods on ``server``."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join,
+            request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinResponse.SerializeToString,
+        ),
+        "PushPull": grpc.unary_unary_rpc_method_handler(
+            servicer.PushPull, request_deserializer=RawRequest, response_serializer=_as_bytes
+        ),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave,
+            request_deserializer=pb.LeaveRequest.FromString,
+            response_serializer=pb.LeaveResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _call(context: grpc.ServicerContext, action: Callable[..., T], *args: object) -> T:
     try:
-        return action()
+        return action(*args)
     except RoundError as error:
         _abort(context, error)
 

@@ -56,3 +56,12 @@ def test_every_scheme_round_trips_through_the_wire_message(scheme: Scheme) -> No
     message = pb.QuantizedTensor.FromString(tensor_to_proto(encoded).SerializeToString())
     np.testing.assert_array_equal(decode(tensor_from_proto(message)), decode(encoded))
     assert message.ByteSize() <= encoded.nbytes
+
+
+@pytest.mark.parametrize("scheme", [Scheme.FLOAT32, Scheme.FLOAT16])
+def test_non_finite_float_payload_is_refused_by_index(scheme: Scheme) -> None:
+    message = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig(scheme=scheme)))
+    values = np.array([1, 2, np.nan, 4], np.float16 if scheme is Scheme.FLOAT16 else np.float32)
+    message.payload = values.tobytes()
+    with pytest.raises(ValueError, match=r"tensor.payload\[2\]=nan is not finite"):
+        tensor_from_proto(message)

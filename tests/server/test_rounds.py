@@ -107,7 +107,8 @@ def test_numel_mismatch_is_rejected_and_round_stays_intact() -> None:
     table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
     waiter = threading.Thread(target=lambda: table.contribute("job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT)))
     waiter.start()
-    time.sleep(0.1)
+    while table.in_flight() == 0:  # the 6-element push must open the round first
+        time.sleep(0.01)
     with pytest.raises(InvalidArgumentError, match=r"tensor.numel=5 does not match numel=6"):
         table.contribute("job", 0, 0, 1, encode(np.ones(5, np.float32), EXACT))
     result = table.contribute("job", 0, 0, 1, encode(np.full(6, 3.0, np.float32), EXACT))
@@ -159,7 +160,8 @@ def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
 
     waiter = threading.Thread(target=push)
     waiter.start()
-    time.sleep(0.1)
+    while table.in_flight() == 0:  # rank 0's push must open the round first
+        time.sleep(0.01)
     started = time.monotonic()
     table.leave("job", 1)
     waiter.join(timeout=5)

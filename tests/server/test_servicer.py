@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -124,12 +125,21 @@ def test_round_state_errors_are_failed_precondition(
     exact_round(stub, step=3)
 
 
+def wait_for_round(server: AggregatorServer) -> None:
+    deadline = time.monotonic() + 5
+    while server.table.in_flight() == 0:
+        assert time.monotonic() < deadline, "the first push never opened its round"
+        time.sleep(0.01)
+
+
 def test_numel_mismatch_is_invalid_argument(
     start_aggregator: StartAggregator, stub_for: Callable[[AggregatorServer], Stub]
 ) -> None:
-    stub = stub_for(start_aggregator())
+    server = start_aggregator()
+    stub = stub_for(server)
     join(stub, 2)
     pending = stub.PushPull.future(push(stub, 0, np.ones(8, np.float32)), timeout=10)
+    wait_for_round(server)  # the 8-element push must open the round first
     with pytest.raises(grpc.RpcError) as raised:
         stub.PushPull(push(stub, 1, np.ones(12, np.float32)), timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
