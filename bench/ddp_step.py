@@ -37,6 +37,7 @@ for _variable in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OP
 # registration and needs real types, not strings.
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import itertools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -139,7 +140,7 @@ def _seed_qparams(min_val: float, max_val: float) -> tuple[float, int]:
     if max_val == min_val:
         return 1.0, 0
     scale = (max_val - min_val) / float(SEED_QMAX)
-    zero_point = int(round(0 - min_val / scale))
+    zero_point = round(0 - min_val / scale)  # the seed wraps it in int(); round() of a float already is one
     return scale, max(0, min(SEED_QMAX, zero_point))
 
 
@@ -272,25 +273,36 @@ GATHER_BYTES: dict[str, Callable[[int], int]] = {
 }
 
 
-class BucketRecordingState:
-    """State of ``bucket_recording_hook``: runs a hook and remembers each bucket's size."""
+class OrderedBucketsState:
+    """State of ``ordered_buckets_hook``: the allgather hook measured, the chain in flight, bucket sizes."""
 
     __slots__ = (
         "bucket_numels",  # bucket index -> elements, as of the latest step (DDP's rebuilt layout)
-        "hook",  # the hook measured, called with state None (the default group)
+        "hook",  # the allgather hook measured, called with state None (the default group)
+        "in_flight",  # the previous bucket's future this step; None before the first bucket
     )
 
     def __init__(self, hook: Hook) -> None:
         self.hook = hook
         self.bucket_numels: dict[int, int] = {}
+        self.in_flight: torch.futures.Future[torch.Tensor] | None = None
 
 
-def bucket_recording_hook(
-    state: BucketRecordingState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Record the bucket's size, then run ``state.hook`` on it."""
+def ordered_buckets_hook(state: OrderedBucketsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run ``state.hook`` on ``bucket`` once the previous bucket's future is done; record the bucket's size.
+
+    The allgather hooks issue their second all_gather from inside gloo's
+    completion callback. With two buckets in flight the ranks then issue
+    collectives in different orders (gloo aborts: "Received data size doesn't
+    match expected size") or block both of gloo's worker threads (deadlock).
+    One chain at a time keeps every rank's order the same.
+    """
+    if state.in_flight is not None:
+        state.in_flight.wait()
     state.bucket_numels[bucket.index()] = bucket.buffer().numel()
-    return state.hook(None, bucket)
+    future = state.hook(None, bucket)
+    state.in_flight = None if bucket.is_last() else future
+    return future
 
 
 def ring_allreduce_bytes(numel: int, world_size: int, element_bytes: int) -> float:
@@ -325,11 +337,10 @@ class RankResult:
 
 
 def _model() -> nn.Module:
-    widths = zip(LAYERS[:-1], LAYERS[1:], strict=True)
     layers: list[nn.Module] = []
-    for index, (fan_in, fan_out) in enumerate(widths):
-        layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if index < len(LAYERS) - 2 else [])
-    return nn.Sequential(*layers)
+    for fan_in, fan_out in itertools.pairwise(LAYERS):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])  # no ReLU on the logits
 
 
 def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -358,14 +369,14 @@ def _run_rank(rank: int, spec: RankSpec, results: mp.SimpleQueue) -> None:
         model = DistributedDataParallel(_model())
         numel = sum(parameter.numel() for parameter in model.parameters())
         key, bits = spec.method.key, spec.method.bits
-        recording: BucketRecordingState | None = None
+        recording: OrderedBucketsState | None = None
         if bits is not None:
             assert spec.address is not None, f"{key} needs an aggregator address"
             gradq_state = GradqHookState(spec.address, QuantConfig(bits=bits), job_id=spec.job_id)
             model.register_comm_hook(gradq_state, gradq_hook)
         elif key in GATHER_BYTES:
-            recording = BucketRecordingState(HOOKS[key])
-            model.register_comm_hook(recording, bucket_recording_hook)
+            recording = OrderedBucketsState(HOOKS[key])
+            model.register_comm_hook(recording, ordered_buckets_hook)
         elif key in HOOKS:
             model.register_comm_hook(None, HOOKS[key])
         optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
@@ -481,8 +492,8 @@ FOOTNOTES = """\
     (levels + qparams, for each of its two all_gathers) per bucket; the seed per-channel
     row pads every bucket to whole 512-element channels and ships zero points as float32.
     x fp32 = sent bytes / (4 x parameters).
-[b] WorkerClient.bytes_received over the timed steps: the encoded means pulled back
-    (8-bit means in both gradq rows: the aggregator answers on its own grid)."""
+[b] WorkerClient.bytes_received over the timed steps: the encoded means pulled back, on the
+    pushers' own grid (the aggregator's default), so about what was pushed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,9 +515,7 @@ def _time_target(rows: Sequence[Row], reference_key: str, limit: float, name: st
     if gradq is None or reference is None:
         return Verdict(name, None, f"needs gradq-8bit and {reference_key} at world {TARGET_WORLD}")
     ratio = gradq.median_s / reference.median_s
-    detail = (
-        f"{1e3 * gradq.median_s:.1f} ms vs {1e3 * reference.median_s:.1f} ms = {ratio:.2f}x (limit {limit:.2f}x)"
-    )
+    detail = f"{1e3 * gradq.median_s:.1f} ms vs {1e3 * reference.median_s:.1f} ms = {ratio:.2f}x (limit {limit:.2f}x)"
     return Verdict(name, ratio <= limit, detail)
 
 
@@ -624,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0, or 1 with ``--check`` when a target failed.
     """
     args = parse_args(argv)
-    parameters = sum(fan_in * fan_out + fan_out for fan_in, fan_out in zip(LAYERS[:-1], LAYERS[1:], strict=True))
+    parameters = sum(fan_in * fan_out + fan_out for fan_in, fan_out in itertools.pairwise(LAYERS))
     print(
         f"# DDP step: MLP {'-'.join(map(str, LAYERS))} ({parameters:,} parameters), batch {BATCH_SIZE}, SGD, "
         f"gloo on loopback, 1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks and the aggregator; "

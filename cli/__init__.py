@@ -13,6 +13,7 @@ __all__ = ["main"]
 _SUBCOMMANDS = {
     "serve": ("gradq.server.cli", "run the aggregator (one process per shard)"),
     "demo": ("gradq.client.demo", "train a real model through a local aggregator and N workers (needs gradq[demo])"),
+    "worker": ("gradq.client.cluster", "train as one rank of a multi-host job, e.g. a Compose worker (gradq[demo])"),
 }
 
 

@@ -6,7 +6,6 @@ demo shows. Each rank is a spawned process; rank 0 reports.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +38,8 @@ class TrainSpec:
         dtype: parameter dtype ("float32", "bfloat16", "float16").
         device: "cpu" or a CUDA device such as "cuda" (the hook then quantizes on it).
         progress: rank 0 prints loss and accuracy after every epoch.
+        job_id: the aggregator job; empty derives one from the rendezvous, the
+            same on every rank.
     """
 
     world_size: int
@@ -56,6 +57,7 @@ class TrainSpec:
     dtype: str = "float32"
     device: str = "cpu"
     progress: bool = False
+    job_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,7 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 spec.config,
                 error_feedback=spec.error_feedback,
                 fallback=spec.fallback,
-                job_id=f"digits-{spec.seed}-{os.getppid()}-{spec.init_method.rsplit(':', 1)[-1]}",
+                job_id=spec.job_id or f"digits-{spec.init_method}",
             )
             model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate, momentum=0.9)

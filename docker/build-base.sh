@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds the local base image gradq-base:bookworm from Debian's own packages
+# (no registry is reachable here) and a wheelhouse for offline pip installs in
+# containers (their pip cannot verify TLS here). Idempotent. Run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+image=gradq-base:bookworm
+if ! docker image inspect "$image" >/dev/null 2>&1; then
+    root=$(mktemp -d)
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+        bookworm "$root" "$uri" >/dev/null
+    tar -C "$root" -c . | docker import - "$image" >/dev/null
+    rm -rf "$root"
+fi
+echo "base image: $image"
+
+# Every wheel the images install, pinned like the tests; the containers install
+# from here with --no-index. Python 3.11 on both sides, so the same wheels fit.
+python="${PYTHON:-python3}"
+"$python" -m pip wheel --quiet --disable-pip-version-check -w docker/wheelhouse \
+    -c tests/constraints.txt '.[demo]' 'setuptools>=69'
+rm -f docker/wheelhouse/gradq-*.whl  # images build gradq from the source tree
+echo "wheelhouse: $(ls docker/wheelhouse | wc -l) wheels in docker/wheelhouse"

@@ -1,0 +1,39 @@
+# One Dockerfile, two images (compose.yaml picks the target):
+#   aggregator: gradq without torch (`gradq serve`), small;
+#   worker:     gradq[demo] with torch and scikit-learn (`gradq worker`).
+# BASE_IMAGE defaults to the public Python image; CI passes a local Debian base
+# and PIP_OPTIONS="--no-index --find-links /wheelhouse" (docker/build-base.sh).
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS source
+COPY pyproject.toml README.md /src/
+COPY qcore /src/qcore
+COPY proto /src/proto
+COPY server /src/server
+COPY client /src/client
+COPY cli /src/cli
+# Only a README unless docker/build-base.sh filled it; pip reads it only with --find-links.
+COPY docker/wheelhouse /wheelhouse
+
+FROM source AS aggregator-install
+ARG PIP_OPTIONS=""
+RUN python3 -m venv /opt/gradq \
+ && /opt/gradq/bin/pip install --no-cache-dir --disable-pip-version-check ${PIP_OPTIONS} /src
+
+FROM source AS worker-install
+ARG PIP_OPTIONS=""
+RUN python3 -m venv /opt/gradq \
+ && /opt/gradq/bin/pip install --no-cache-dir --disable-pip-version-check ${PIP_OPTIONS} "/src[demo]"
+
+# Final stages copy only the virtual environment: no sources, no wheelhouse.
+FROM ${BASE_IMAGE} AS aggregator
+COPY --from=aggregator-install /opt/gradq /opt/gradq
+ENV PATH=/opt/gradq/bin:$PATH PYTHONUNBUFFERED=1
+EXPOSE 50051
+HEALTHCHECK --interval=2s --timeout=3s --retries=30 CMD ["python", "-m", "gradq.server.healthcheck"]
+ENTRYPOINT ["gradq", "serve"]
+
+FROM ${BASE_IMAGE} AS worker
+COPY --from=worker-install /opt/gradq /opt/gradq
+ENV PATH=/opt/gradq/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba
+ENTRYPOINT ["gradq", "worker"]
