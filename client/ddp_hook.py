@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
+from gradq.client.security import ChannelSecurity
 from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
 from gradq.client.worker import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, QuantizedArray, Rounding
@@ -45,6 +46,7 @@ class GradqHookState:
         timeout_s: deadline of each RPC (keep it above the server's round timeout).
         connect_timeout_s: how long the first join waits for the aggregator.
         process_group: the group DDP reduces over (None: the default group).
+        security: TLS, mutual TLS and/or bearer token for the aggregator channels.
     """
 
     __slots__ = (
@@ -58,6 +60,7 @@ class GradqHookState:
         "fallback",  # behaviour when the aggregator is unreachable at start
         "job_id",  # round namespace on the aggregator, same on every rank
         "process_group",  # DDP's group; left out of the pickled form
+        "security",  # TLS / token for the channels (plain bytes, so it pickles)
         "step",  # iteration counter: with the bucket index, the round key
         "timeout_s",  # per-RPC deadline
     )
@@ -73,6 +76,7 @@ class GradqHookState:
         timeout_s: float = 120.0,
         connect_timeout_s: float = 10.0,
         process_group: dist.ProcessGroup | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -90,6 +94,7 @@ class GradqHookState:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.process_group = process_group
+        self.security = security
         self.step = 0
         self._client: WorkerClient | None = None
         self._mode: str | None = None
@@ -144,6 +149,7 @@ class GradqHookState:
             self.config,
             error_feedback=self.error_feedback,
             timeout_s=self.timeout_s,
+            security=self.security,
         )
         failure: AggregationError | None = None
         try:

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 
 from gradq.client import serde
+from gradq.client.security import ChannelSecurity
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, encode
@@ -63,6 +64,7 @@ class WorkerClient:
             aggregator never counts twice.
         retry_backoff_s: first retry delay, doubled on each retry.
         max_message_bytes: gRPC send/receive limit.
+        security: TLS / mutual TLS / bearer token; None talks plaintext.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class WorkerClient:
         max_retries: int = 5,
         retry_backoff_s: float = 0.2,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -104,7 +107,9 @@ class WorkerClient:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
-        self._channels = [grpc.insecure_channel(address, options=options) for address in self.addresses]
+        self.security = security or ChannelSecurity()
+        self._metadata = self.security.metadata()
+        self._channels = [self.security.channel(address, options) for address in self.addresses]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
         self._lock = threading.Lock()
@@ -125,7 +130,7 @@ class WorkerClient:
     def _join_shard(self, shard: int) -> None:
         request = serde.join_request(self.job_id, self.rank, self.world_size)
         try:
-            self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True)
+            self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
             raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
         self._joined[shard] = True
@@ -136,7 +141,7 @@ class WorkerClient:
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
                 try:
-                    stub.Leave(request, timeout=min(self.timeout_s, 5.0))
+                    stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
                 except grpc.RpcError as error:
                     log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
                 self._joined[shard] = False
@@ -207,7 +212,9 @@ class WorkerClient:
         return pending.result
 
     def _send(self, pending: _PendingPush) -> None:
-        call = self._stubs[pending.shard].PushPull.future(pending.request, timeout=self.timeout_s)
+        call = self._stubs[pending.shard].PushPull.future(
+            pending.request, timeout=self.timeout_s, metadata=self._metadata
+        )
         call.add_done_callback(lambda done: self._on_reply(done, pending))
 
     def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:

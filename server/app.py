@@ -8,17 +8,19 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gradq.server.auth import TokenAuthInterceptor, TokenTable
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
 
-__all__ = ["AggregatorServer", "ServerOptions", "SERVICE_NAME", "DEFAULT_MAX_MESSAGE_BYTES"]
+__all__ = ["AggregatorServer", "ServerOptions", "TlsFiles", "SERVICE_NAME", "DEFAULT_MAX_MESSAGE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,28 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # After the rounds are settled, time for their answers to leave before the port closes.
 _ANSWER_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM bytes for a TLS aggregator; ``client_ca`` turns on mutual TLS."""
+
+    certificate_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None = None
+
+    @classmethod
+    def from_paths(cls, cert: Path, key: Path, client_ca: Path | None = None) -> TlsFiles:
+        """Read the PEM files (server certificate chain, its key, optional client CA)."""
+        return cls(cert.read_bytes(), key.read_bytes(), client_ca.read_bytes() if client_ca else None)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """gRPC server credentials; clients must present a certificate when ``client_ca`` is set."""
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.certificate_chain)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +63,16 @@ class ServerOptions:
         max_workers: handler threads. A PushPull holds one while it waits for
             its round, so this bounds the rounds x ranks waiting at once.
         grace_s: on stop, rounds in flight get this long to finish.
+        tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.
+        tokens: require a bearer token on every call but health and reflection.
     """
 
     address: str = "0.0.0.0:50051"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_workers: int = 256
     grace_s: float = 10.0
+    tls: TlsFiles | None = None
+    tokens: TokenTable | None = None
 
 
 class AggregatorServer:
@@ -59,7 +87,10 @@ class AggregatorServer:
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),
         ]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), options=limits)
+        interceptors = [TokenAuthInterceptor(options.tokens)] if options.tokens else []
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors, options=limits
+        )
         self.servicer = AggregatorServicer(self.table)
         add_aggregator_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -67,7 +98,10 @@ class AggregatorServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server,
         )
-        self.port = self._server.add_insecure_port(options.address)
+        if options.tls is not None:
+            self.port = self._server.add_secure_port(options.address, options.tls.credentials())
+        else:
+            self.port = self._server.add_insecure_port(options.address)
         if self.port == 0:
             raise OSError(f"could not bind address={options.address!r}; is the port in use?")
         self._stopped = threading.Event()
@@ -79,9 +113,11 @@ class AggregatorServer:
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "aggregator %s serving on port %d (world_size=%s, round timeout %.1f s)",
+            "aggregator %s serving on port %d (%s%s, world_size=%s, round timeout %.1f s)",
             self.servicer.server_id[:8],
             self.port,
+            "plaintext" if self.options.tls is None else "mutual TLS" if self.options.tls.client_ca else "TLS",
+            ", token auth" if self.options.tokens else "",
             self.policy.world_size or "per job",
             self.policy.round_timeout_s,
         )

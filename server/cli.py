@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gradq.qcore import Scheme
-from gradq.server.app import DEFAULT_MAX_MESSAGE_BYTES, AggregatorServer, ServerOptions
+from gradq.server.app import DEFAULT_MAX_MESSAGE_BYTES, AggregatorServer, ServerOptions, TlsFiles
+from gradq.server.auth import TokenTable
 from gradq.server.policy import RoundPolicy
 
 __all__ = ["main", "build_parser"]
@@ -81,7 +82,33 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     ("--grace", "GRADQ_GRACE", float, 10.0, "seconds rounds in flight get to finish after SIGTERM"),
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
+    ("--tls-cert", "GRADQ_TLS_CERT", Path, None, "PEM certificate chain: serve TLS (with --tls-key)"),
+    ("--tls-key", "GRADQ_TLS_KEY", Path, None, "PEM private key of --tls-cert"),
+    (
+        "--tls-client-ca",
+        "GRADQ_TLS_CLIENT_CA",
+        Path,
+        None,
+        "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    ),
+    (
+        "--token-file",
+        "GRADQ_TOKEN_FILE",
+        Path,
+        None,
+        "require 'authorization: Bearer <token>'; one 'TOKEN [RANK]' per line, RANK binds a token to a rank",
+    ),
 ]
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError(f"--tls-cert={args.tls_cert} --tls-key={args.tls_key}: expected both or neither")
+    return TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_error_feedback=args.server_error_feedback,
             retain_steps=args.retain_steps,
         )
-        options = ServerOptions(f"{args.host}:{args.port}", args.max_message_bytes, args.max_workers, args.grace)
+        options = ServerOptions(
+            f"{args.host}:{args.port}",
+            args.max_message_bytes,
+            args.max_workers,
+            args.grace,
+            tls=_tls_files(args),
+            tokens=TokenTable.from_file(args.token_file) if args.token_file else None,
+        )
         server = AggregatorServer(policy, options)
     except (ValueError, OSError) as error:
         parser.error(str(error))

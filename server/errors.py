@@ -5,7 +5,14 @@ The round logic stays free of grpc; the servicer turns ``code`` into a status.
 
 from __future__ import annotations
 
-__all__ = ["RoundError", "InvalidArgumentError", "FailedPreconditionError", "RoundAbortedError", "UnavailableError"]
+__all__ = [
+    "RoundError",
+    "InvalidArgumentError",
+    "FailedPreconditionError",
+    "PermissionDeniedError",
+    "RoundAbortedError",
+    "UnavailableError",
+]
 
 
 class RoundError(Exception):
@@ -36,3 +43,9 @@ class UnavailableError(RoundError):
     """The aggregator is shutting down; the client may retry elsewhere or later."""
 
     code = "UNAVAILABLE"
+
+
+class PermissionDeniedError(RoundError):
+    """The caller is authenticated but may not act as the rank it claims."""
+
+    code = "PERMISSION_DENIED"

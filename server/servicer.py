@@ -17,6 +17,7 @@ import grpc
 
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
+from gradq.server.auth import check_rank
 from gradq.server.errors import RoundError
 from gradq.server.rounds import RoundResult, RoundTable
 
@@ -49,11 +50,13 @@ class AggregatorServicer:
         self.server_id = uuid.uuid4().hex
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:  # noqa: N802
+        _call(context, check_rank, request.rank)
         world_size, joined = _call(context, self.table.join, request.job_id, request.rank, request.world_size)
         return serde.join_to_proto(world_size, joined, self.server_id)
 
     def PushPull(self, raw: RawRequest, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         contribution = _call(context, serde.contribution_from_bytes, raw.take())
+        _call(context, check_rank, contribution.rank)
         ticket = _call(
             context,
             self.table.push,
@@ -69,6 +72,7 @@ class AggregatorServicer:
         return result.packaged
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:  # noqa: N802
+        _call(context, check_rank, request.rank)
         _call(context, self.table.leave, request.job_id, request.rank)
         return pb.LeaveResponse()
 

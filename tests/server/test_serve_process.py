@@ -87,6 +87,9 @@ def test_help_lists_every_flag_with_its_environment_variable() -> None:
         (["--partial-quorum", "5", "--world-size", "2"], {}, "partial_quorum=5 is invalid"),
         ([], {"GRADQ_ROUND_TIMEOUT": "soon"}, "GRADQ_ROUND_TIMEOUT='soon' is invalid"),
         (["--round-timeout", "0"], {}, "round_timeout_s=0.0 is invalid"),
+        (["--tls-cert", "/nonexistent.pem"], {}, "expected both or neither"),
+        (["--tls-client-ca", "/ca.pem"], {}, "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--token-file", "/nonexistent/tokens"], {}, "/nonexistent/tokens"),
     ],
 )
 def test_bad_configuration_exits_2_with_a_message(args: list[str], env: dict[str, str], message: str) -> None:
@@ -141,3 +144,30 @@ def test_sigterm_goes_not_serving_finishes_round_in_flight_and_exits_0(
     assert process.wait(timeout=20) == 0
     log = process.stderr.read() if process.stderr else ""
     assert "received SIGTERM" in log and "stopped" in log
+
+
+def test_serve_with_tls_and_tokens_from_flags(tmp_path: Path, processes: list[subprocess.Popen[str]]) -> None:
+    from certificates import issue, make_ca
+
+    from gradq.client import ChannelSecurity, WorkerClient
+
+    ca, ca_key, ca_certificate = make_ca()
+    server_pem = issue(ca_key, ca_certificate, "localhost", server=True)
+    files = {"cert": server_pem.certificate, "key": server_pem.key, "tokens": b"a-token-of-16-chars 0\n"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    process, port = start_serve(
+        tmp_path,
+        "--tls-cert",
+        str(tmp_path / "cert"),
+        "--tls-key",
+        str(tmp_path / "key"),
+        "--token-file",
+        str(tmp_path / "tokens"),
+        "--world-size",
+        "1",
+    )
+    processes.append(process)
+    security = ChannelSecurity(root_certificates=ca.certificate, token="a-token-of-16-chars")
+    with WorkerClient(f"localhost:{port}", "tls", 0, 1, QuantConfig(scheme=Scheme.FLOAT32), security=security) as c:
+        np.testing.assert_array_equal(c.push_pull(0, 0, np.arange(5, dtype=np.float32)), np.arange(5))

@@ -1,0 +1,151 @@
+"""TLS, mutual TLS and bearer tokens on a real aggregator: who gets in, and proof that outsiders add nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from certificates import Pem, issue, make_ca
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradq.client import AggregationError, ChannelSecurity, WorkerClient
+from gradq.qcore import QuantConfig, Scheme
+from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
+from gradq.server.auth import TokenTable
+from gradq.server.policy import RoundPolicy
+
+EXACT = QuantConfig(scheme=Scheme.FLOAT32)
+TOKENS = {"rank-zero-token-0000": 0, "rank-one-token-11111": 1, "any-rank-token-22222": None}
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Pem
+    server: Pem
+    client: Pem
+    stranger_ca: Pem
+    stranger_client: Pem
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    ca, ca_key, ca_certificate = make_ca()
+    stranger_ca, stranger_key, stranger_certificate = make_ca("someone else's CA")
+    return Pki(
+        ca=ca,
+        server=issue(ca_key, ca_certificate, "localhost", server=True),
+        client=issue(ca_key, ca_certificate, "worker", server=False),
+        stranger_ca=stranger_ca,
+        stranger_client=issue(stranger_key, stranger_certificate, "intruder", server=False),
+    )
+
+
+Serve = Callable[..., str]
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    servers: list[AggregatorServer] = []
+
+    def start(tls: TlsFiles | None = None, tokens: TokenTable | None = None) -> str:
+        server = AggregatorServer(
+            RoundPolicy(round_timeout_s=3.0, return_scheme=Scheme.FLOAT32),
+            ServerOptions("127.0.0.1:0", grace_s=0.5, tls=tls, tokens=tokens),
+        )
+        server.start()
+        servers.append(server)
+        return f"localhost:{server.port}"
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def exact_mean(address: str, securities: list[ChannelSecurity], job: str = "job") -> list[np.ndarray]:
+    """Ranks 0..n-1 push k * arange(6); returns what each got back."""
+    results: list[np.ndarray] = [np.empty(0)] * len(securities)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with WorkerClient(address, job, rank, len(securities), EXACT, timeout_s=5, security=securities[rank]) as c:
+                results[rank] = c.push_pull(0, 0, np.arange(6, dtype=np.float32) * (rank + 1))
+        except BaseException as error:  # asserted by the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(securities))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_tls_round_works_and_plaintext_or_untrusted_clients_are_refused(serve: Serve, pki: Pki) -> None:
+    address = serve(tls=TlsFiles(pki.server.certificate, pki.server.key))
+    trusted = ChannelSecurity(root_certificates=pki.ca.certificate)
+    for result in exact_mean(address, [trusted, trusted]):
+        np.testing.assert_array_equal(result, np.arange(6, dtype=np.float32) * 1.5)
+    for outsider in (ChannelSecurity(), ChannelSecurity(root_certificates=pki.stranger_ca.certificate)):
+        with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
+            WorkerClient(address, "other", 0, 1, timeout_s=1, security=outsider).join()
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_configured_ca(serve: Serve, pki: Pki) -> None:
+    address = serve(tls=TlsFiles(pki.server.certificate, pki.server.key, client_ca=pki.ca.certificate))
+    member = ChannelSecurity(pki.ca.certificate, pki.client.certificate, pki.client.key)
+    for result in exact_mean(address, [member, member]):
+        np.testing.assert_array_equal(result, np.arange(6, dtype=np.float32) * 1.5)
+    no_certificate = ChannelSecurity(root_certificates=pki.ca.certificate)
+    foreign = ChannelSecurity(pki.ca.certificate, pki.stranger_client.certificate, pki.stranger_client.key)
+    for outsider in (no_certificate, foreign):
+        with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
+            WorkerClient(address, "other", 0, 1, timeout_s=1, security=outsider).join()
+
+
+def test_tokens_gate_every_call_but_health(serve: Serve) -> None:
+    address = serve(tokens=TokenTable(TOKENS))
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    for token in (None, "not-a-valid-token-at-all", "rank-zero-token-000"):
+        with pytest.raises(AggregationError, match=r"UNAUTHENTICATED: missing or invalid token") as raised:
+            WorkerClient(address, "job", 0, 2, timeout_s=5, security=ChannelSecurity(token=token)).join()
+        assert "rank-zero-token" not in str(raised.value)  # never echo secrets
+
+
+def test_wrong_or_borrowed_credentials_contribute_nothing(serve: Serve) -> None:
+    address = serve(tokens=TokenTable(TOKENS))
+    rank_zero = ChannelSecurity(token="rank-zero-token-0000")
+    rank_one = ChannelSecurity(token="rank-one-token-11111")
+    # Rank 0's token replayed as rank 1 is refused before anything is counted ...
+    with pytest.raises(AggregationError, match=r"PERMISSION_DENIED: this token is bound to rank 0; .*rank=1"):
+        WorkerClient(address, "job", 1, 2, EXACT, timeout_s=5, security=rank_zero).join()
+    impostor = WorkerClient(address, "job", 1, 2, EXACT, timeout_s=5, security=ChannelSecurity(token="x" * 20))
+    with pytest.raises(AggregationError, match="UNAUTHENTICATED"):
+        impostor.push_pull(0, 0, np.full(6, 1000.0, np.float32))
+    # ... so the real round is the exact mean of the real ranks' values.
+    for result in exact_mean(address, [rank_zero, rank_one]):
+        np.testing.assert_array_equal(result, np.arange(6, dtype=np.float32) * 1.5)
+    unbound = ChannelSecurity(token="any-rank-token-22222")
+    for result in exact_mean(address, [unbound, unbound], job="open"):
+        np.testing.assert_array_equal(result, np.arange(6, dtype=np.float32) * 1.5)
+
+
+def test_token_file_format_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("# comment\nabcdefghijklmnop 0\nshort\n")
+    with pytest.raises(ValueError, match=r"tokens:3: token is 5 characters; expected at least 16"):
+        TokenTable.from_file(path)
+    path.write_text("abcdefghijklmnop zero\n")
+    with pytest.raises(ValueError, match=r"tokens:1: expected 'TOKEN' or 'TOKEN RANK'"):
+        TokenTable.from_file(path)
+    path.write_text("abcdefghijklmnop 3  # rank three\nqrstuvwxyzabcdef\n")
+    assert TokenTable.from_file(path).tokens == {"abcdefghijklmnop": 3, "qrstuvwxyzabcdef": None}
