@@ -33,7 +33,7 @@ def discover_rank(peers: str, world_size: int, timeout_s: float) -> tuple[int, s
     while time.monotonic() < deadline:
         try:
             found = sorted(
-                {info[4][0] for info in socket.getaddrinfo(peers, None, socket.AF_INET)}, key=ipaddress.ip_address
+                {str(info[4][0]) for info in socket.getaddrinfo(peers, None, socket.AF_INET)}, key=ipaddress.ip_address
             )
         except socket.gaierror:
             found = []
