@@ -26,6 +26,9 @@ class RoundPolicy:
             into the next round of the same bucket.
         retain_steps: finished rounds of this many steps behind the newest are
             kept so retried pushes get their answer; older ones are stale.
+        max_bucket_elements: largest bucket accepted. A 1-bit payload is 32x
+            smaller than its fp32 accumulator, so the message-size limit alone
+            would let one push allocate 32 GiB.
     """
 
     world_size: int = 0
@@ -35,6 +38,7 @@ class RoundPolicy:
     return_bits: int = 8
     server_error_feedback: bool = False
     retain_steps: int = 2
+    max_bucket_elements: int = 1 << 28
 
     def __post_init__(self) -> None:
         if self.world_size < 0:
@@ -43,6 +47,8 @@ class RoundPolicy:
             raise ValueError(f"round_timeout_s={self.round_timeout_s} is invalid; expected > 0 seconds")
         if self.partial_quorum < 0 or (self.world_size and self.partial_quorum > self.world_size):
             raise ValueError(f"partial_quorum={self.partial_quorum} is invalid; expected 0 (strict) or 1..world_size")
+        if self.max_bucket_elements < 1:
+            raise ValueError(f"max_bucket_elements={self.max_bucket_elements} is invalid; expected >= 1")
         if self.retain_steps < 1:
             raise ValueError(f"retain_steps={self.retain_steps} is invalid; expected >= 1")
         if self.return_scheme is not None:

@@ -205,6 +205,11 @@ class RoundTable:
             FailedPreconditionError: unknown job or rank, or a stale step.
             UnavailableError: the aggregator is shutting down and the round is new.
         """
+        if tensor.numel > self.policy.max_bucket_elements:
+            raise InvalidArgumentError(
+                f"tensor.numel={tensor.numel} is too large; this aggregator accepts buckets of up to "
+                f"{self.policy.max_bucket_elements} elements (--max-bucket-elements)"
+            )
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:

@@ -1,0 +1,182 @@
+"""Emulated hosts for benchmarks: one network namespace per host, a bridge between them, tc-shaped links.
+
+Everything lives inside namespaces this module creates (names ``gradq-sw``,
+``gradq-w<K>``, ``gradq-a<K>``): the bridge sits in ``gradq-sw``, every host
+namespace holds one end of a veth pair whose other end is a bridge port, and
+the addresses come from 10.77.0.0/24, which exists nowhere else. Deleting the
+namespaces deletes the links, the bridge and the addresses with them. Needs root.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Host", "Topology", "build_topology", "leftover_namespaces", "remove_namespaces", "parse_rate"]
+
+PREFIX = "gradq-"
+SWITCH = f"{PREFIX}sw"
+BRIDGE = "br0"
+SUBNET = "10.77.0"  # a /24 that exists only inside these namespaces
+HOST_DEVICE = "gq0"  # the host's end of its veth, same name in every host namespace
+WORKER_OFFSET = 10  # worker K is 10.77.0.(10+K)
+AGGREGATOR_OFFSET = 100  # aggregator K is 10.77.0.(100+K)
+# tbf settings from /work/shared/ENVIRONMENT.md: 956 Mbit/s measured at "1gbit".
+TBF_BURST = "256kb"
+TBF_LATENCY = "50ms"
+_OURS = re.compile(rf"^{re.escape(PREFIX)}(sw|w\d+|a\d+)$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)bit$")
+_RATE_SCALE = {"k": 1e3, "m": 1e6, "g": 1e9}
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One emulated machine: a namespace with one veth to the bridge."""
+
+    namespace: str  # e.g. gradq-w0
+    port: str  # the veth end on the bridge (in the switch namespace), e.g. w0
+    address: str  # IPv4 address of HOST_DEVICE inside the namespace
+
+    @property
+    def device(self) -> str:
+        """The host's network device, as named inside its namespace."""
+        return HOST_DEVICE
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host's namespace (``ip netns exec`` also remounts /sys there)."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a tc rate such as ``1gbit`` or ``100mbit``.
+
+    Raises:
+        ValueError: ``rate`` is not ``<number><k|m|g>bit``.
+    """
+    match = _RATE.match(rate.strip().lower())
+    if match is None:
+        raise ValueError(f"rate={rate!r} is invalid; expected a tc rate such as '1gbit' or '100mbit'")
+    return float(match.group(1)) * _RATE_SCALE[match.group(2)]
+
+
+def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed with status {result.returncode}: {result.stderr.strip()}")
+    return result
+
+
+def _host(kind: str, index: int, offset: int) -> Host:
+    return Host(f"{PREFIX}{kind}{index}", f"{kind}{index}", f"{SUBNET}.{offset + index}")
+
+
+class Topology:
+    """The namespaces of one benchmark run; ``close()`` (idempotent) deletes them all.
+
+    Args:
+        workers: hosts gradq-w0.. in rank order.
+        aggregators: hosts gradq-a0.. in shard order.
+    """
+
+    def __init__(self, workers: Sequence[Host], aggregators: Sequence[Host]) -> None:
+        self.workers = list(workers)
+        self.aggregators = list(aggregators)
+        self._namespaces = [SWITCH, *(host.namespace for host in self.hosts)]
+
+    @property
+    def hosts(self) -> list[Host]:
+        """Workers then aggregators."""
+        return [*self.workers, *self.aggregators]
+
+    def shape(self, hosts: Sequence[Host], rate: str | None) -> None:
+        """Limit both directions of each host's link to ``rate`` (None: no limit).
+
+        The host's own device shapes what it sends; its bridge port shapes what it receives.
+        """
+        for host in hosts:
+            for namespace, device in ((host.namespace, host.device), (SWITCH, host.port)):
+                if rate is None:
+                    _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
+                else:
+                    _run(
+                        ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf"]
+                        + ["rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY]
+                    )
+
+    def close(self) -> None:
+        """Stop anything still running in the namespaces and delete them."""
+        remove_namespaces(self._namespaces)
+
+
+def build_topology(workers: int, aggregators: int) -> Topology:
+    """Create the switch namespace, its bridge and one namespace per host, links up and unshaped.
+
+    Args:
+        workers: worker hosts (gradq-w0..).
+        aggregators: aggregator hosts (gradq-a0..).
+
+    Raises:
+        RuntimeError: a namespace of ours already exists (run with --cleanup) or a command failed;
+            whatever was created before the failure has been deleted.
+    """
+    leftovers = leftover_namespaces()
+    if leftovers:
+        raise RuntimeError(f"namespaces {', '.join(leftovers)} already exist; remove them with --cleanup first")
+    topology = Topology(
+        [_host("w", index, WORKER_OFFSET) for index in range(workers)],
+        [_host("a", index, AGGREGATOR_OFFSET) for index in range(aggregators)],
+    )
+    try:
+        _run(["ip", "netns", "add", SWITCH])
+        _run(["ip", "-n", SWITCH, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", SWITCH, "link", "set", BRIDGE, "up"])
+        for host in topology.hosts:
+            _add_host(host)
+    except BaseException:
+        topology.close()
+        raise
+    return topology
+
+
+def _add_host(host: Host) -> None:
+    _run(["ip", "netns", "add", host.namespace])
+    # Both ends are created directly in their namespaces: nothing appears in the caller's namespace.
+    _run(
+        ["ip", "-n", SWITCH, "link", "add", host.port, "type", "veth"]
+        + ["peer", "name", host.device, "netns", host.namespace]
+    )
+    _run(["ip", "-n", SWITCH, "link", "set", host.port, "master", BRIDGE])
+    _run(["ip", "-n", SWITCH, "link", "set", host.port, "up"])
+    _run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device])
+    _run(["ip", "-n", host.namespace, "link", "set", host.device, "up"])
+    _run(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+
+
+def leftover_namespaces() -> list[str]:
+    """Namespaces named like ours (gradq-sw, gradq-w<K>, gradq-a<K>) that exist now."""
+    listed = _run(["ip", "netns", "list"]).stdout.splitlines()
+    names = [line.split()[0] for line in listed if line.strip()]
+    return sorted(name for name in names if _OURS.match(name))
+
+
+def remove_namespaces(names: Sequence[str]) -> list[str]:
+    """Kill the processes inside each of ``names`` (ours only) and delete it; returns those deleted."""
+    existing = set(leftover_namespaces())
+    removed = []
+    for name in names:
+        if not _OURS.match(name) or name not in existing:
+            continue
+        for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
+            _run(["kill", "-KILL", pid], check=False)
+        _run(["ip", "netns", "del", name], check=False)
+        removed.append(name)
+    return removed
+
+
+def read_counters(device: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of ``device`` in the caller's namespace: every byte on the wire, headers included."""
+    statistics = Path("/sys/class/net") / device / "statistics"
+    return int((statistics / "tx_bytes").read_text()), int((statistics / "rx_bytes").read_text())
