@@ -19,7 +19,11 @@ The gradq rows push to a real aggregator (``python -m gradq.server``, one per
 world size, a distinct job per row). The seed rows run a faithful torch port of
 seed 000's two hooks, kept in this file as the baseline (see
 ``seed_pertensor_hook``). PyTorch's own quantization hooks are not measured: on
-CPU/gloo they crash (they index gloo's all_gather result as if it were NCCL's).
+CPU/gloo they crash (IndexError: they index gloo's all_gather result as if it
+were NCCL's). All three allgather rows (the seed's two and gradq's vectorised
+one) start a bucket's all_gathers only once the previous bucket's are done
+(``ordered_buckets_hook``): they issue their second all_gather from inside a
+gloo callback, and with DDP's two buckets in flight that aborts or deadlocks.
 
 On a small machine the ranks share the cores with each other and with the
 aggregator: world 4 on 2 cores runs 4 ranks plus the aggregator on 2 cores, so
@@ -77,29 +81,6 @@ TARGET_VS_SEED_PERTENSOR = 0.5
 TARGET_WIRE_RATIO = {8: 0.26, 4: 0.14}
 # "Not growing with world size": per-worker bytes may differ by rounding only.
 WIRE_GROWTH_TOLERANCE = 1.001
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    """One row kind of the report."""
-
-    key: str  # name on the command line
-    label: str  # name in the table
-    bits: int | None = None  # gradq push bits; None when the row needs no aggregator
-    slow: bool = False  # timed for --slow-steps after SLOW_WARMUP_STEPS
-
-
-METHODS = (
-    Method("no-comm", "no communication"),
-    Method("allreduce", "gloo allreduce fp32"),
-    Method("fp16", "fp16 compress hook"),
-    Method("seed-pertensor", "seed allgather per-tensor"),
-    Method("seed-perchannel", "seed allgather per-channel", slow=True),
-    Method("gradq-allgather", "gradq allgather per-channel"),
-    Method("gradq-8bit", "gradq 8-bit", bits=8),
-    Method("gradq-4bit", "gradq 4-bit", bits=4),
-)
-METHOD_BY_KEY = {method.key: method for method in METHODS}
 
 
 # -- seed 000's hooks, ported from tensorplay to torch -------------------------------------------
@@ -258,21 +239,6 @@ def _gradq_allgather_gather_bytes(numel: int) -> int:
     return wire_size(numel, QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8)) - METADATA_BYTES
 
 
-HOOKS: dict[str, Hook] = {
-    "no-comm": no_communication_hook,
-    "fp16": fp16_compress_hook,
-    "seed-pertensor": seed_pertensor_hook,
-    "seed-perchannel": seed_perchannel_hook,
-    "gradq-allgather": allgather_perchannel_hook,
-}
-# Bytes one rank contributes to each all_gather of a bucket of `numel` elements.
-GATHER_BYTES: dict[str, Callable[[int], int]] = {
-    "seed-pertensor": _seed_pertensor_gather_bytes,
-    "seed-perchannel": _seed_perchannel_gather_bytes,
-    "gradq-allgather": _gradq_allgather_gather_bytes,
-}
-
-
 class OrderedBucketsState:
     """State of ``ordered_buckets_hook``: the allgather hook measured, the chain in flight, bucket sizes."""
 
@@ -308,6 +274,48 @@ def ordered_buckets_hook(state: OrderedBucketsState, bucket: dist.GradBucket) ->
 def ring_allreduce_bytes(numel: int, world_size: int, element_bytes: int) -> float:
     """Bytes one worker sends in a ring allreduce: reduce-scatter then allgather, (W-1)/W each."""
     return 2 * (world_size - 1) / world_size * element_bytes * numel
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One row kind of the report: how its ranks communicate and how its wire bytes are counted."""
+
+    key: str  # name on the command line
+    label: str  # name in the table
+    hook: Hook | None = None  # DDP comm hook (state None); None: DDP's own allreduce or gradq
+    gather_bytes: Callable[[int], int] | None = None  # allgather rows: one rank's contribution per bucket
+    ring_element_bytes: int | None = None  # allreduce rows: bytes per element on the ring
+    bits: int | None = None  # gradq rows: push bits (they need the aggregator)
+    slow: bool = False  # timed for --slow-steps after SLOW_WARMUP_STEPS
+
+
+METHODS = (
+    Method("no-comm", "no communication", hook=no_communication_hook),
+    Method("allreduce", "gloo allreduce fp32", ring_element_bytes=FP32_BYTES),
+    Method("fp16", "fp16 compress hook", hook=fp16_compress_hook, ring_element_bytes=FP16_BYTES),
+    Method(
+        "seed-pertensor",
+        "seed allgather per-tensor [c]",
+        hook=seed_pertensor_hook,
+        gather_bytes=_seed_pertensor_gather_bytes,
+    ),
+    Method(
+        "seed-perchannel",
+        "seed allgather per-channel [c][d]",
+        hook=seed_perchannel_hook,
+        gather_bytes=_seed_perchannel_gather_bytes,
+        slow=True,
+    ),
+    Method(
+        "gradq-allgather",
+        "gradq allgather per-channel [c]",
+        hook=allgather_perchannel_hook,
+        gather_bytes=_gradq_allgather_gather_bytes,
+    ),
+    Method("gradq-8bit", "gradq 8-bit", bits=8),
+    Method("gradq-4bit", "gradq 4-bit", bits=4),
+)
+METHOD_BY_KEY = {method.key: method for method in METHODS}
 
 
 # -- one job --------------------------------------------------------------------------------------
@@ -360,59 +368,71 @@ def _gradq_counters(state: GradqHookState) -> tuple[int, int]:
     return client.bytes_sent, client.bytes_received
 
 
+def _attach(model: DistributedDataParallel, spec: RankSpec) -> GradqHookState | OrderedBucketsState | None:
+    """Register the row's comm hook; returns the state that later tells its wire bytes."""
+    method = spec.method
+    if method.bits is not None:
+        assert spec.address is not None, f"{method.key} needs an aggregator address"
+        gradq = GradqHookState(spec.address, QuantConfig(bits=method.bits), job_id=spec.job_id)
+        model.register_comm_hook(gradq, gradq_hook)
+        return gradq
+    if method.hook is not None and method.gather_bytes is not None:
+        ordered = OrderedBucketsState(method.hook)
+        model.register_comm_hook(ordered, ordered_buckets_hook)
+        return ordered
+    if method.hook is not None:
+        model.register_comm_hook(None, method.hook)
+    return None
+
+
+def _timed_steps(model: nn.Module, spec: RankSpec, rank: int, state: object) -> tuple[list[float], tuple[int, int]]:
+    """Warm up, then time each step; returns the step times and gradq's counters when timing began."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    batches = _batches(rank)
+    step_seconds: list[float] = []
+    counters = (0, 0)
+    for step in range(spec.warmup + spec.steps):
+        if step == spec.warmup and isinstance(state, GradqHookState):
+            counters = _gradq_counters(state)
+        inputs, labels = batches[step % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        if step >= spec.warmup:
+            step_seconds.append(time.perf_counter() - started)
+    return step_seconds, counters
+
+
+def _wire_bytes(spec: RankSpec, numel: int, state: object, counters: tuple[int, int]) -> tuple[float, float | None]:
+    """(sent, pulled) bytes per worker per step; pulled only for gradq."""
+    method, world_size = spec.method, spec.world_size
+    if isinstance(state, GradqHookState):
+        sent, received = _gradq_counters(state)
+        return (sent - counters[0]) / spec.steps, (received - counters[1]) / spec.steps
+    if isinstance(state, OrderedBucketsState) and method.gather_bytes is not None:
+        return (world_size - 1) * sum(map(method.gather_bytes, state.bucket_numels.values())), None
+    if method.ring_element_bytes is not None:
+        return ring_allreduce_bytes(numel, world_size, method.ring_element_bytes), None
+    return 0.0, None
+
+
 def _run_rank(rank: int, spec: RankSpec, results: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size)
-    gradq_state: GradqHookState | None = None
+    state: GradqHookState | OrderedBucketsState | None = None
     try:
         torch.manual_seed(SEED)
         model = DistributedDataParallel(_model())
+        state = _attach(model, spec)
+        step_seconds, counters = _timed_steps(model, spec, rank, state)
         numel = sum(parameter.numel() for parameter in model.parameters())
-        key, bits = spec.method.key, spec.method.bits
-        recording: OrderedBucketsState | None = None
-        if bits is not None:
-            assert spec.address is not None, f"{key} needs an aggregator address"
-            gradq_state = GradqHookState(spec.address, QuantConfig(bits=bits), job_id=spec.job_id)
-            model.register_comm_hook(gradq_state, gradq_hook)
-        elif key in GATHER_BYTES:
-            recording = OrderedBucketsState(HOOKS[key])
-            model.register_comm_hook(recording, ordered_buckets_hook)
-        elif key in HOOKS:
-            model.register_comm_hook(None, HOOKS[key])
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        batches = _batches(rank)
-        step_seconds = []
-        counters_before = (0, 0)
-        for step in range(spec.warmup + spec.steps):
-            if step == spec.warmup and gradq_state is not None:
-                counters_before = _gradq_counters(gradq_state)
-            inputs, labels = batches[step % len(batches)]
-            optimizer.zero_grad(set_to_none=True)
-            started = time.perf_counter()
-            nn.functional.cross_entropy(model(inputs), labels).backward()
-            optimizer.step()
-            if step >= spec.warmup:
-                step_seconds.append(time.perf_counter() - started)
-        received: float | None = None
-        if gradq_state is not None:
-            counters_after = _gradq_counters(gradq_state)
-            sent = (counters_after[0] - counters_before[0]) / spec.steps
-            received = (counters_after[1] - counters_before[1]) / spec.steps
-        elif recording is not None:
-            per_bucket = GATHER_BYTES[key]
-            gathered = sum(per_bucket(bucket) for bucket in recording.bucket_numels.values())
-            sent = (spec.world_size - 1) * gathered
-        elif key == "allreduce":
-            sent = ring_allreduce_bytes(numel, spec.world_size, FP32_BYTES)
-        elif key == "fp16":
-            sent = ring_allreduce_bytes(numel, spec.world_size, FP16_BYTES)
-        else:
-            sent = 0.0
+        sent, received = _wire_bytes(spec, numel, state, counters)
         if rank == 0:
             results.put(RankResult(tuple(step_seconds), numel, sent, received))
     finally:
-        if gradq_state is not None:
-            gradq_state.close()
+        if isinstance(state, GradqHookState):
+            state.close()
         dist.destroy_process_group()
 
 
@@ -489,11 +509,16 @@ FOOTNOTES = """\
     fields; protobuf, HTTP/2 and TCP framing not counted). gloo allreduce fp32 / fp16 hook:
     a ring allreduce is assumed, 2(W-1)/W x 4 (or 2) bytes x parameters. allgather rows:
     a ring allgather is assumed, so a worker sends (W-1) copies of its contribution
-    (levels + qparams, for each of its two all_gathers) per bucket; the seed per-channel
-    row pads every bucket to whole 512-element channels and ships zero points as float32.
+    (levels + qparams, over its two all_gathers) per bucket; the seed per-channel row pads
+    every bucket to whole 512-element channels and ships zero points as float32.
     x fp32 = sent bytes / (4 x parameters).
 [b] WorkerClient.bytes_received over the timed steps: the encoded means pulled back, on the
-    pushers' own grid (the aggregator's default), so about what was pushed."""
+    pushers' own grid (the aggregator's default), so about what was pushed.
+[c] One bucket's all_gathers at a time: these hooks issue their second all_gather from a
+    gloo completion callback; with DDP's two buckets (4.2M + 1.6M elements) in flight, ranks
+    issue collectives in different orders (gloo aborts) or block both gloo worker threads.
+[d] Python loop over channels: {slow_steps} timed steps after {slow_warmup} warm-up, not {steps}.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,10 +666,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(seed per-channel: {args.slow_steps} after {SLOW_WARMUP_STEPS})\n",
         flush=True,
     )
+    load_before = os.getloadavg()[0]  # anything else running on these cores skews every row
     rows = measure(args)
     print(format_table(rows))
     print()
-    print(FOOTNOTES)
+    print(FOOTNOTES.format(slow_steps=args.slow_steps, slow_warmup=SLOW_WARMUP_STEPS, steps=args.steps))
+    print(f"1-minute load average: {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after")
     print("\n## targets\n")
     verdicts = targets(rows)
     for verdict in verdicts:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "Topology", "build_topology", "leftover_namespaces", "remove_namespaces", "parse_rate"]
+__all__ = ["Host", "Topology", "build_topology", "leftover_namespaces", "parse_rate", "read_counters", "remove_namespaces"]
 
 PREFIX = "gradq-"
 SWITCH = f"{PREFIX}sw"

@@ -1,0 +1,61 @@
+"""Worker processes for the fault tests: real WorkerClients pushing integer gradients step by step."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from gradq.client import AggregationError, WorkerClient
+from gradq.qcore import QuantConfig, Scheme
+
+NUMEL = 64
+
+
+def gradient(rank: int, step: int) -> np.ndarray:
+    """Integer-valued, so every mean of them is exact on the FLOAT32 wire."""
+    return (np.arange(NUMEL, dtype=np.float32) + 1) * (rank + 1) * (step + 1)
+
+
+def exact_mean(world: int, step: int) -> np.ndarray:
+    return np.mean([gradient(rank, step) for rank in range(world)], axis=0, dtype=np.float64).astype(np.float32)
+
+
+def run_worker(
+    address: str, job: str, rank: int, world: int, steps: int, hang_at: int, pause_s: float, events: mp.Queue
+) -> None:
+    """Push ``steps`` steps; report each outcome as (rank, step, ok, detail, seconds)."""
+    config = QuantConfig(scheme=Scheme.FLOAT32)
+    with WorkerClient(address, job, rank, world, config, timeout_s=60, retry_backoff_s=0.1, max_retries=8) as client:
+        for step in range(steps):
+            if step == hang_at:
+                events.put((rank, step, True, "hanging", 0.0))
+                time.sleep(3600)
+            started = time.monotonic()
+            try:
+                mean = client.push_pull(step, 0, gradient(rank, step))
+            except AggregationError as error:
+                events.put((rank, step, False, str(error), time.monotonic() - started))
+                return
+            exact = bool(np.array_equal(mean, exact_mean(world, step)))
+            events.put((rank, step, exact, "exact" if exact else f"inexact: {mean[:4]}", time.monotonic() - started))
+            time.sleep(pause_s)
+
+
+def start_workers(
+    address: str, job: str, world: int, steps: int, hang: dict[int, int] | None = None, pause_s: float = 0.0
+) -> tuple[list[mp.Process], mp.Queue]:
+    context = mp.get_context("spawn")
+    events: mp.Queue = context.Queue()
+    processes = [
+        context.Process(
+            target=run_worker,
+            args=(address, job, rank, world, steps, (hang or {}).get(rank, -1), pause_s, events),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    return processes, events
