@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "Topology", "build_topology", "leftover_namespaces", "parse_rate", "read_counters", "remove_namespaces"]
+__all__ = [
+    "Host",
+    "Topology",
+    "build_topology",
+    "leftover_namespaces",
+    "parse_rate",
+    "read_counters",
+    "remove_namespaces",
+]
 
 PREFIX = "gradq-"
 SWITCH = f"{PREFIX}sw"
@@ -102,8 +110,8 @@ class Topology:
                     _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
                 else:
                     _run(
-                        ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf"]
-                        + ["rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY]
+                        ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate]
+                        + ["burst", TBF_BURST, "latency", TBF_LATENCY]
                     )
 
     def close(self) -> None:

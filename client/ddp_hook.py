@@ -200,7 +200,10 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
     if buffer.is_cuda and state.config.rounding is Rounding.NEAREST:
-        pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
+        try:
+            pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
+        except ValueError:  # NaN/Inf on the device: the aggregator's policy decides
+            pending = client.push_pull_non_finite_async(step, key, buffer.numel())
     else:
         host = buffer.detach().float().cpu().numpy()
         pending = client.push_pull_async(step, key, host)

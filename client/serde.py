@@ -25,6 +25,7 @@ class PulledMean:
     partial: bool
     missing_ranks: tuple[int, ...]
     wire_bytes: int  # size of the encoded mean received
+    skipped: bool = False  # a rank reported NaN/Inf: the values are zeros, skip the step
 
 
 def join_request(job_id: str, rank: int, world_size: int) -> pb.JoinRequest:
@@ -37,9 +38,13 @@ def leave_request(job_id: str, rank: int) -> pb.LeaveRequest:
     return pb.LeaveRequest(job_id=job_id, rank=rank)
 
 
-def push_pull_request(job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> pb.PushPullRequest:
-    """One contribution to round (job, step, bucket)."""
-    return pb.PushPullRequest(job_id=job_id, step=step, bucket=bucket, rank=rank, tensor=tensor_to_proto(tensor))
+def push_pull_request(
+    job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+) -> pb.PushPullRequest:
+    """One contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket."""
+    return pb.PushPullRequest(
+        job_id=job_id, step=step, bucket=bucket, rank=rank, tensor=tensor_to_proto(tensor), non_finite=non_finite
+    )
 
 
 def mean_from_proto(response: pb.PushPullResponse, numel: int) -> PulledMean:
@@ -57,4 +62,5 @@ def mean_from_proto(response: pb.PushPullResponse, numel: int) -> PulledMean:
         partial=response.partial,
         missing_ranks=tuple(response.missing_ranks),
         wire_bytes=mean.nbytes,
+        skipped=response.skipped,
     )

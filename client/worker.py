@@ -183,14 +183,37 @@ class WorkerClient:
         caller may reuse ``array`` immediately.
         """
         values = np.asarray(array)
-        if self._error_feedback is not None:
-            tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
-        else:
-            tensor = encode(values, self.config, rng=self._rng)
+        try:
+            if self._error_feedback is not None:
+                tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
+            else:
+                tensor = encode(values, self.config, rng=self._rng)
+        except ValueError as error:
+            # NaN/Inf (or |x| >= 2**126): tell the aggregator, whose policy rejects
+            # the round or skips it for every rank alike.
+            log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
+            return self.push_pull_non_finite_async(step, bucket, values.size, values.shape)
         return self.push_pull_encoded_async(step, bucket, tensor, values.shape)
 
+    def push_pull_non_finite_async(
+        self, step: int, bucket: int, numel: int, shape: tuple[int, ...] | None = None
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Report that this rank's bucket holds NaN/Inf; the future gets zeros if the round is skipped.
+
+        Raises (through the future):
+            AggregationError: INVALID_ARGUMENT under the aggregator's default reject policy.
+        """
+        placeholder = encode(np.zeros(numel, np.float32), self.config)
+        return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True)
+
     def push_pull_encoded_async(
-        self, step: int, bucket: int, tensor: QuantizedArray, shape: tuple[int, ...] | None = None
+        self,
+        step: int,
+        bucket: int,
+        tensor: QuantizedArray,
+        shape: tuple[int, ...] | None = None,
+        *,
+        non_finite: bool = False,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
 
@@ -199,11 +222,12 @@ class WorkerClient:
             bucket: bucket index; picks the shard.
             tensor: the encoded bucket.
             shape: shape of the returned mean; flat when None.
+            non_finite: ``tensor`` is a placeholder for a NaN/Inf bucket.
         """
         shard = shard_for(bucket, len(self._stubs))
         if not self._joined[shard]:
             self._join_shard(shard)
-        request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor)
+        request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor, non_finite)
         with self._lock:
             self.bytes_sent += tensor.nbytes
         flat_shape = (tensor.numel,) if shape is None else shape
@@ -228,6 +252,10 @@ class WorkerClient:
                 return
             with self._lock:
                 self.bytes_received += mean.wire_bytes
+            if mean.skipped:
+                log.warning(
+                    "aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.request.step
+                )
             if mean.partial:
                 log.warning(
                     "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)

@@ -79,8 +79,20 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)",
     ),
     ("--max-workers", "GRADQ_MAX_WORKERS", int, 256, "handler threads; each waiting PushPull holds one"),
-    ("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", int, 1 << 28,
-     "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)"),
+    (
+        "--non-finite",
+        "GRADQ_NON_FINITE",
+        str,
+        "reject",
+        "a rank reporting NaN/Inf gradients: 'reject' fails the round for all, 'skip' returns zeros marked skipped",
+    ),
+    (
+        "--max-bucket-elements",
+        "GRADQ_MAX_BUCKET_ELEMENTS",
+        int,
+        1 << 28,
+        "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
+    ),
     ("--grace", "GRADQ_GRACE", float, 10.0, "seconds rounds in flight get to finish after SIGTERM"),
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
@@ -151,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_error_feedback=args.server_error_feedback,
             retain_steps=args.retain_steps,
             max_bucket_elements=args.max_bucket_elements,
+            non_finite=args.non_finite,
         )
         options = ServerOptions(
             f"{args.host}:{args.port}",

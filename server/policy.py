@@ -29,6 +29,9 @@ class RoundPolicy:
         max_bucket_elements: largest bucket accepted. A 1-bit payload is 32x
             smaller than its fp32 accumulator, so the message-size limit alone
             would let one push allocate 32 GiB.
+        non_finite: when a rank reports NaN/Inf gradients: "reject" fails the
+            round for every rank with INVALID_ARGUMENT; "skip" completes it with
+            a zero mean marked skipped, so every rank skips the step together.
     """
 
     world_size: int = 0
@@ -39,6 +42,7 @@ class RoundPolicy:
     server_error_feedback: bool = False
     retain_steps: int = 2
     max_bucket_elements: int = 1 << 28
+    non_finite: str = "reject"
 
     def __post_init__(self) -> None:
         if self.world_size < 0:
@@ -47,6 +51,8 @@ class RoundPolicy:
             raise ValueError(f"round_timeout_s={self.round_timeout_s} is invalid; expected > 0 seconds")
         if self.partial_quorum < 0 or (self.world_size and self.partial_quorum > self.world_size):
             raise ValueError(f"partial_quorum={self.partial_quorum} is invalid; expected 0 (strict) or 1..world_size")
+        if self.non_finite not in ("reject", "skip"):
+            raise ValueError(f"non_finite={self.non_finite!r} is invalid; expected 'reject' or 'skip'")
         if self.max_bucket_elements < 1:
             raise ValueError(f"max_bucket_elements={self.max_bucket_elements} is invalid; expected >= 1")
         if self.retain_steps < 1:

@@ -40,6 +40,7 @@ class RoundResult:
     mean: QuantizedArray
     contributors: tuple[int, ...]
     missing: tuple[int, ...] = ()
+    skipped: bool = False  # a rank reported non-finite values; the mean is zeros
     # The answer in its wire form, built once per round by the table's ``package``
     # callable, so W waiters do not serialize the same mean W times.
     packaged: object = None
@@ -59,6 +60,7 @@ class _Round:
         "done",
         "error",
         "lock",
+        "non_finite",
         "pushed",
         "result",
         "step",
@@ -73,6 +75,7 @@ class _Round:
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.accumulator: np.ndarray | None = np.zeros(pushed.numel, np.float32)
+        self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
         self.contributors: set[int] = set()
         self.result: RoundResult | None = None
         self.error: RoundError | None = None
@@ -189,16 +192,23 @@ class RoundTable:
 
     # -- the round --------------------------------------------------------------------------
 
-    def contribute(self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> RoundResult:
+    def contribute(
+        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+    ) -> RoundResult:
         """``wait(push(...))``: add ``rank``'s bucket to the round and wait for the mean."""
-        return self.wait(self.push(job_id, step, bucket, rank, tensor))
+        return self.wait(self.push(job_id, step, bucket, rank, tensor, non_finite))
 
-    def push(self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray) -> RoundTicket:
+    def push(
+        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+    ) -> RoundTicket:
         """Add ``rank``'s bucket to round (job, step, bucket); returns at once.
 
         The tensor is dequantized into the round's accumulator before this
         returns, so the caller can drop it (and its message) before waiting.
         A duplicate of an accepted contribution is not counted again.
+        ``non_finite`` says the rank's bucket held NaN/Inf (``tensor`` then only
+        carries its size): under the reject policy the round fails for every
+        rank, under the skip policy it completes with a zero mean marked skipped.
 
         Raises:
             InvalidArgumentError: numel disagrees with the round's.
@@ -239,7 +249,14 @@ class RoundTable:
         with rnd.lock:
             if not rnd.done.is_set() and rank not in rnd.contributors:
                 assert rnd.accumulator is not None
-                decode_accumulate(tensor, rnd.accumulator)
+                if not non_finite:
+                    decode_accumulate(tensor, rnd.accumulator)
+                elif self.policy.non_finite == "reject":
+                    reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
+                    self._fail(job_id, job, rnd, InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}"))
+                    return RoundTicket(job_id, job, rnd, rank)
+                else:
+                    rnd.non_finite.add(rank)
                 rnd.contributors.add(rank)
                 if len(rnd.contributors) == job.world_size:
                     self._finish(job_id, job, rnd)
@@ -265,6 +282,9 @@ class RoundTable:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
         mean = rnd.accumulator
         assert mean is not None
+        if rnd.non_finite:
+            mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
+            log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job_id), sorted(rnd.non_finite))
         mean /= np.float32(len(rnd.contributors))
         config = return_config_for(self.policy, rnd.pushed)
         try:
@@ -282,7 +302,7 @@ class RoundTable:
                 ),
             )
             return
-        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing)
+        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
         rnd.result = replace(result, packaged=self._package(result)) if self._package else result
         log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
         self._release(job, rnd, "rounds_partial" if missing else "rounds_completed")

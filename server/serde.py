@@ -27,6 +27,7 @@ class Contribution:
     bucket: int
     rank: int
     tensor: QuantizedArray
+    non_finite: bool = False
 
 
 def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
@@ -41,7 +42,7 @@ def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
         tensor = tensor_from_proto(request.tensor)
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from None
-    return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor)
+    return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor, request.non_finite)
 
 
 def contribution_from_bytes(data: bytes) -> Contribution:
@@ -64,6 +65,7 @@ def result_to_proto(result: RoundResult) -> pb.PushPullResponse:
         contributors=len(result.contributors),
         partial=result.partial,
         missing_ranks=result.missing,
+        skipped=result.skipped,
     )
 
 

@@ -65,6 +65,7 @@ class AggregatorServicer:
             contribution.bucket,
             contribution.rank,
             contribution.tensor,
+            contribution.non_finite,
         )
         del contribution  # accumulated: nothing of the payload need outlive the push
         result = _call(context, self.table.wait, ticket)

@@ -65,30 +65,34 @@ class JoinResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("job_id", "step", "bucket", "rank", "tensor")
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     bucket: int
     rank: int
     tensor: QuantizedTensor
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ...) -> None: ...
+    non_finite: bool
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("mean", "contributors", "partial", "missing_ranks")
+    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped")
     MEAN_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     mean: QuantizedTensor
     contributors: int
     partial: bool
     missing_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job_id", "rank")

@@ -1,0 +1,377 @@
+"""The report of bench/network.py: rows from the ranks' measurements, the markdown tables, the targets, the plot."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import netns
+
+__all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
+
+FP32_BYTES = 4
+MEGA = 1e6
+# The issue's targets.
+TARGET_RATE = "1gbit"
+TARGET_WORLD = 4
+TARGET_SPEEDUP = {8: 2.0, 4: 3.5}  # gloo allreduce fp32 time / gradq time
+TARGET_SHARD_GAIN = 1.6
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One row kind of the report."""
+
+    key: str  # name on the command line
+    label: str  # name in the table
+    bits: int | None = None  # gradq push bits; None: no aggregator involved
+    error_feedback: bool = False  # gradq: carry quantization error into the next step
+    shards: int = 0  # gradq: aggregator shards used
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One job: a model at one world size over links shaped one way."""
+
+    model: str
+    world_size: int
+    worker_rate: str | None  # tc rate of every worker link; None: unshaped
+    aggregator_rate: str | None  # tc rate of every aggregator link; None: unshaped
+    methods: tuple[str, ...]
+    warmup: int
+    steps: int
+
+    @property
+    def aggregator_bottleneck(self) -> bool:
+        """Only the aggregators' links are shaped: the shard scenario."""
+        return self.worker_rate is None and self.aggregator_rate is not None
+
+    def links(self) -> str:
+        """The link rates in words."""
+        if self.worker_rate == self.aggregator_rate:
+            return f"all {self.worker_rate or 'unshaped'}"
+        return f"workers {self.worker_rate or 'unshaped'}, aggregators {self.aggregator_rate or 'unshaped'}"
+
+    def describe(self) -> str:
+        """One line for the progress log."""
+        return f"{self.model}, world {self.world_size}, {self.links()}: {len(self.methods)} methods"
+
+
+@dataclass(slots=True)
+class MethodResult:
+    """What one rank measured for one method (JSON between the rank and the orchestrator)."""
+
+    key: str
+    step_s: list[float]  # timed steps, in order
+    window_s: list[float]  # per step: first bucket ready -> backward returned (hooked methods only)
+    tail_s: list[float]  # per step: last bucket ready (compute done) -> backward returned
+    tx_per_step: float  # bytes this rank's device sent per timed step, headers included
+    rx_per_step: float  # bytes it received
+    bucket_numels: list[int]  # elements per DDP bucket, in index order (hooked methods only)
+    numel: int  # model parameters
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One (scenario, method) measurement, ranks combined."""
+
+    scenario: Scenario
+    method: Method
+    step_ms: float  # median of rank 0's timed steps
+    tail_ms: float | None  # median of rank 0's tails
+    overlap: float | None  # median over rank 0's steps of (window - tail) / window
+    tx_per_step: float  # mean over ranks
+    rx_per_step: float  # mean over ranks
+    largest_share: float | None  # gradq: the busiest shard's share of the gradient elements
+    numel: int
+
+    def link_ms(self) -> float | None:
+        """Time the busiest shaped link needs for this row's bytes per step (None: nothing shaped).
+
+        A worker link carries what the worker sends and receives (full duplex: the
+        larger). A shard's link carries the busiest shard's share of every worker's bytes.
+        """
+        scenario, seconds = self.scenario, []
+        per_worker = max(self.tx_per_step, self.rx_per_step)
+        if scenario.worker_rate is not None:
+            seconds.append(8 * per_worker / netns.parse_rate(scenario.worker_rate))
+        if scenario.aggregator_rate is not None and self.largest_share is not None:
+            per_shard = scenario.world_size * per_worker * self.largest_share
+            seconds.append(8 * per_shard / netns.parse_rate(scenario.aggregator_rate))
+        return 1e3 * max(seconds) if seconds else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain fields, for the raw results file."""
+        return {**asdict(self), "link_ms": self.link_ms()}
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _largest_share(bucket_numels: Sequence[int], shards: int) -> float | None:
+    # Same rule as gradq.client.worker.shard_for: bucket index modulo the shard count.
+    if shards < 1 or not bucket_numels:
+        return None
+    loads = [sum(bucket_numels[shard::shards]) for shard in range(shards)]
+    return max(loads) / sum(loads)
+
+
+def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult]) -> Row:
+    """Combine the ranks' results for ``method`` (rank 0 first) into a Row."""
+    first = per_rank[0]
+    overlaps = [(window - tail) / window for window, tail in zip(first.window_s, first.tail_s, strict=True) if window]
+    tail = _median(first.tail_s)
+    return Row(
+        scenario=scenario,
+        method=method,
+        step_ms=1e3 * statistics.median(first.step_s),
+        tail_ms=None if tail is None else 1e3 * tail,
+        overlap=_median(overlaps),
+        tx_per_step=statistics.fmean(result.tx_per_step for result in per_rank),
+        rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
+        largest_share=_largest_share(first.bucket_numels, method.shards),
+        numel=first.numel,
+    )
+
+
+# -- tables --------------------------------------------------------------------------------------
+
+
+def _find(rows: Sequence[Row], scenario: Scenario, key: str) -> Row | None:
+    return next((row for row in rows if row.scenario == scenario and row.method.key == key), None)
+
+
+def _optional(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def _main_table(rows: Sequence[Row], model: str) -> list[str]:
+    lines = [
+        "| world | links | method | ms/step | x faster than allreduce | compute-only ms | exposed comm ms "
+        "| link ms [a] | overlap % [b] | tail ms [b] | wire MB sent/worker/step [c] | wire MB received/worker/step |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        scenario = row.scenario
+        if scenario.model != model or scenario.aggregator_bottleneck:
+            continue
+        allreduce, compute = _find(rows, scenario, "allreduce"), _find(rows, scenario, "compute-only")
+        lines.append(
+            f"| {scenario.world_size} | {scenario.links()} | {row.method.label} | {row.step_ms:.1f} "
+            f"| {_optional(allreduce and allreduce.step_ms / row.step_ms, '.2f')} "
+            f"| {_optional(compute and compute.step_ms, '.1f')} "
+            f"| {_optional(compute and row.step_ms - compute.step_ms, '.1f')} "
+            f"| {_optional(row.link_ms(), '.1f')} | {_optional(row.overlap and 100 * row.overlap, '.0f')} "
+            f"| {_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} |"
+        )
+    return lines
+
+
+def _shard_rows(rows: Sequence[Row]) -> list[Row]:
+    return [row for row in rows if row.scenario.aggregator_bottleneck]
+
+
+def _gradient_rate(row: Row) -> float:
+    """fp32 gradient bytes averaged per second: every worker's gradient, once per step."""
+    return row.scenario.world_size * FP32_BYTES * row.numel / (row.step_ms / 1e3)
+
+
+def _shard_table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| model | world | links | shards | busiest shard's share [d] | ms/step | gradient MB/s [e] "
+        "| wire MB/s into the aggregators [f] | x one shard |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in _shard_rows(rows):
+        one = next(
+            (other for other in _shard_rows(rows) if other.scenario == row.scenario and other.method.shards == 1), None
+        )
+        wire_rate = row.scenario.world_size * row.tx_per_step / (row.step_ms / 1e3)
+        lines.append(
+            f"| {row.scenario.model} | {row.scenario.world_size} | {row.scenario.links()} | {row.method.shards} "
+            f"| {_optional(row.largest_share, '.3f')} | {row.step_ms:.1f} | {_gradient_rate(row) / MEGA:.1f} "
+            f"| {wire_rate / MEGA:.1f} | {_optional(one and _gradient_rate(row) / _gradient_rate(one), '.2f')} |"
+        )
+    return lines
+
+
+FOOTNOTES = """\
+[a] Time the busiest shaped link needs for the row's bytes: a worker link carries
+    max(sent, received) of one worker; a shard's link carries the busiest shard's share
+    of every worker's bytes (gradq rows). Exposed comm = ms/step - compute-only ms;
+    exposed < link ms means part of the wire time was hidden behind backward.
+[b] From the hook wrapper's timestamps (no hook, no figure: gloo allreduce runs DDP's
+    built-in path). Window = first bucket ready -> backward returns; tail = last bucket
+    ready (backward's compute done) -> backward returns; overlap = (window - tail) /
+    window, the share of the communication window during which backward still computed.
+[c] tx/rx byte counters of the worker's own veth over the timed steps (between two
+    barriers), divided by the steps: every byte on the wire, TCP/IP, gRPC/HTTP2 and
+    gloo framing included. Mean over the workers."""
+
+SHARD_FOOTNOTES = """\
+[d] Share of the gradient elements on the busiest shard: gradq assigns whole DDP buckets
+    to shards (bucket index mod shards), so 1 / share bounds what two shards can gain.
+[e] world x 4 bytes x parameters / median step time: fp32 gradient bytes averaged per second.
+[f] Sum of the workers' sent bytes per step / median step time."""
+
+
+# -- targets -------------------------------------------------------------------------------------
+
+
+def _verdict(passed: bool | None, name: str, detail: str) -> str:
+    outcome = "SKIP" if passed is None else "PASS" if passed else "FAIL"
+    return f"- {outcome} {name}: {detail}"
+
+
+def _at_target(rows: Sequence[Row]) -> dict[str, list[Row]]:
+    """Rows at world TARGET_WORLD on all-TARGET_RATE links, by model."""
+    chosen: dict[str, list[Row]] = {}
+    for row in rows:
+        scenario = row.scenario
+        if scenario.world_size == TARGET_WORLD and scenario.worker_rate == scenario.aggregator_rate == TARGET_RATE:
+            chosen.setdefault(scenario.model, []).append(row)
+    return chosen
+
+
+def _speedup_targets(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    for model, chosen in _at_target(rows).items():
+        allreduce = next((row for row in chosen if row.method.key == "allreduce"), None)
+        for bits, limit in TARGET_SPEEDUP.items():
+            for row in (row for row in chosen if row.method.bits == bits):
+                name = (
+                    f"{model}: {row.method.label} >= {limit}x faster than gloo allreduce fp32 ({TARGET_RATE}, world 4)"
+                )
+                if allreduce is None:
+                    lines.append(_verdict(None, name, "allreduce not measured"))
+                    continue
+                speedup = allreduce.step_ms / row.step_ms
+                detail = f"{allreduce.step_ms:.1f} ms / {row.step_ms:.1f} ms = {speedup:.2f}x"
+                lines.append(_verdict(speedup >= limit, name, detail))
+    return lines
+
+
+def _allgather_targets(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    for shards in (1, 2):
+        gradq = [row for row in rows if row.method.bits == 8 and row.method.shards == shards]
+        gradq = [row for row in gradq if row.scenario.worker_rate == TARGET_RATE]
+        name = f"gradq 8-bit, {shards} shard(s) faster than the seed allgather hook at every world size ({TARGET_RATE})"
+        pairs = [(row, _find(rows, row.scenario, "seed-pertensor")) for row in gradq]
+        measured = [(row, seed) for row, seed in pairs if seed is not None]
+        if not measured:
+            lines.append(_verdict(None, name, "needs gradq8 and seed-pertensor rows"))
+            continue
+        detail = "; ".join(
+            f"{row.scenario.model} world {row.scenario.world_size}: {row.step_ms:.1f} vs {seed.step_ms:.1f} ms"
+            for row, seed in measured
+        )
+        lines.append(_verdict(all(row.step_ms < seed.step_ms for row, seed in measured), name, detail))
+    return lines
+
+
+def _shard_targets(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    shard_rows = _shard_rows(rows)
+    for scenario in dict.fromkeys(row.scenario for row in shard_rows):
+        one = next((row for row in shard_rows if row.scenario == scenario and row.method.shards == 1), None)
+        two = next((row for row in shard_rows if row.scenario == scenario and row.method.shards == 2), None)
+        name = f"{scenario.model}: 2 shards move >= {TARGET_SHARD_GAIN}x the gradient bytes/s of 1 ({scenario.links()})"
+        if one is None or two is None:
+            lines.append(_verdict(None, name, "needs both gradq8 rows"))
+            continue
+        gain = _gradient_rate(two) / _gradient_rate(one)
+        bound = _optional(two.largest_share and 1 / two.largest_share, ".2f")
+        detail = (
+            f"{_gradient_rate(one) / MEGA:.1f} -> {_gradient_rate(two) / MEGA:.1f} MB/s = {gain:.2f}x "
+            f"(bucket split bounds it at {bound}x)"
+        )
+        lines.append(_verdict(gain >= TARGET_SHARD_GAIN, name, detail))
+    return lines
+
+
+def _overlap_targets(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    for model, chosen in _at_target(rows).items():
+        compute = next((row for row in chosen if row.method.key == "compute-only"), None)
+        for row in (row for row in chosen if row.method.bits is not None):
+            name = f"{model}: {row.method.label} hides wire time behind backward ({TARGET_RATE}, world 4)"
+            link = row.link_ms()
+            if compute is None or link is None:
+                lines.append(_verdict(None, name, "needs the compute-only row and shaped links"))
+                continue
+            detail = (
+                f"step {row.step_ms:.1f} ms vs compute-only {compute.step_ms:.1f} + link {link:.1f} ms; "
+                f"overlap {_optional(row.overlap and 100 * row.overlap, '.0f')}%, tail {_optional(row.tail_ms, '.1f')} ms"
+            )
+            lines.append(_verdict(row.step_ms < compute.step_ms + link, name, detail))
+    return lines
+
+
+def render(rows: Sequence[Row], args: argparse.Namespace, cpus: int) -> str:
+    """The whole report as markdown."""
+    numel = {row.scenario.model: row.numel for row in rows}
+    lines = [
+        "# DDP step over rate-limited links (bench/network.py)",
+        "",
+        f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; "
+        f"batch 32, SGD, gloo, 1 thread per rank; {cpus} CPU cores shared by all ranks and both aggregators; "
+        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions.",
+    ]
+    for model, parameters in numel.items():
+        lines += ["", f"## {model} ({parameters:,} parameters)", "", *_main_table(rows, model)]
+    lines += ["", FOOTNOTES]
+    if _shard_rows(rows):
+        lines += [
+            "",
+            "## shards when the aggregator link is the bottleneck",
+            "",
+            *_shard_table(rows),
+            "",
+            SHARD_FOOTNOTES,
+        ]
+    targets = _speedup_targets(rows) + _allgather_targets(rows) + _shard_targets(rows) + _overlap_targets(rows)
+    lines += ["", "## targets", "", *targets]
+    return "\n".join(lines)
+
+
+# -- plot ----------------------------------------------------------------------------------------
+
+
+def plot(rows: Sequence[Row], path: Path) -> Path | None:
+    """Step time vs link speed per method, one panel per (model, world); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+    except ImportError:
+        return None
+    main = [row for row in rows if not row.scenario.aggregator_bottleneck and row.scenario.worker_rate is not None]
+    panels = list(dict.fromkeys((row.scenario.model, row.scenario.world_size) for row in main))
+    if not panels:
+        return None
+    figure, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+    for axis, (model, world) in zip(axes[0], panels, strict=True):
+        panel = [row for row in main if row.scenario.model == model and row.scenario.world_size == world]
+        for label in dict.fromkeys(row.method.label for row in panel):
+            points = sorted(
+                (netns.parse_rate(str(row.scenario.worker_rate)) / MEGA, row.step_ms)
+                for row in panel
+                if row.method.label == label
+            )
+            style = "--" if label.startswith("compute only") else "-"
+            axis.plot([x for x, _ in points], [y for _, y in points], style, marker="o", label=label)
+        axis.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s)", ylabel="median ms/step")
+        axis.set_title(f"{model}, world {world}")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
