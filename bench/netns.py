@@ -109,10 +109,8 @@ class Topology:
                 if rate is None:
                     _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
                 else:
-                    _run(
-                        ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate]
-                        + ["burst", TBF_BURST, "latency", TBF_LATENCY]
-                    )
+                    tbf = ["tbf", "rate", rate, "burst", TBF_BURST, "latency", TBF_LATENCY]
+                    _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf])
 
     def close(self) -> None:
         """Stop anything still running in the namespaces and delete them."""
@@ -152,10 +150,8 @@ def build_topology(workers: int, aggregators: int) -> Topology:
 def _add_host(host: Host) -> None:
     _run(["ip", "netns", "add", host.namespace])
     # Both ends are created directly in their namespaces: nothing appears in the caller's namespace.
-    _run(
-        ["ip", "-n", SWITCH, "link", "add", host.port, "type", "veth"]
-        + ["peer", "name", host.device, "netns", host.namespace]
-    )
+    peer = ["peer", "name", host.device, "netns", host.namespace]
+    _run(["ip", "-n", SWITCH, "link", "add", host.port, "type", "veth", *peer])
     _run(["ip", "-n", SWITCH, "link", "set", host.port, "master", BRIDGE])
     _run(["ip", "-n", SWITCH, "link", "set", host.port, "up"])
     _run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device])

@@ -150,6 +150,10 @@ def _optional(value: float | None, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}"
+
+
 def _main_table(rows: Sequence[Row], model: str) -> list[str]:
     lines = [
         "| world | links | method | ms/step | x faster than allreduce | compute-only ms | exposed comm ms "
@@ -161,12 +165,13 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
         if scenario.model != model or scenario.aggregator_bottleneck:
             continue
         allreduce, compute = _find(rows, scenario, "allreduce"), _find(rows, scenario, "compute-only")
+        speedup = None if allreduce is None else allreduce.step_ms / row.step_ms
+        compute_ms = None if compute is None else compute.step_ms
         lines.append(
             f"| {scenario.world_size} | {scenario.links()} | {row.method.label} | {row.step_ms:.1f} "
-            f"| {_optional(allreduce and allreduce.step_ms / row.step_ms, '.2f')} "
-            f"| {_optional(compute and compute.step_ms, '.1f')} "
-            f"| {_optional(compute and row.step_ms - compute.step_ms, '.1f')} "
-            f"| {_optional(row.link_ms(), '.1f')} | {_optional(row.overlap and 100 * row.overlap, '.0f')} "
+            f"| {_optional(speedup, '.2f')} | {_optional(compute_ms, '.1f')} "
+            f"| {_optional(None if compute_ms is None else row.step_ms - compute_ms, '.1f')} "
+            f"| {_optional(row.link_ms(), '.1f')} | {_percent(row.overlap)} "
             f"| {_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} |"
         )
     return lines
@@ -174,6 +179,10 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
 
 def _shard_rows(rows: Sequence[Row]) -> list[Row]:
     return [row for row in rows if row.scenario.aggregator_bottleneck]
+
+
+def _with_shards(rows: Sequence[Row], scenario: Scenario, shards: int) -> Row | None:
+    return next((row for row in rows if row.scenario == scenario and row.method.shards == shards), None)
 
 
 def _gradient_rate(row: Row) -> float:
@@ -188,14 +197,13 @@ def _shard_table(rows: Sequence[Row]) -> list[str]:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in _shard_rows(rows):
-        one = next(
-            (other for other in _shard_rows(rows) if other.scenario == row.scenario and other.method.shards == 1), None
-        )
+        one = _with_shards(rows, row.scenario, 1)
+        gain = None if one is None else _gradient_rate(row) / _gradient_rate(one)
         wire_rate = row.scenario.world_size * row.tx_per_step / (row.step_ms / 1e3)
         lines.append(
             f"| {row.scenario.model} | {row.scenario.world_size} | {row.scenario.links()} | {row.method.shards} "
             f"| {_optional(row.largest_share, '.3f')} | {row.step_ms:.1f} | {_gradient_rate(row) / MEGA:.1f} "
-            f"| {wire_rate / MEGA:.1f} | {_optional(one and _gradient_rate(row) / _gradient_rate(one), '.2f')} |"
+            f"| {wire_rate / MEGA:.1f} | {_optional(gain, '.2f')} |"
         )
     return lines
 
@@ -279,14 +287,13 @@ def _shard_targets(rows: Sequence[Row]) -> list[str]:
     lines = []
     shard_rows = _shard_rows(rows)
     for scenario in dict.fromkeys(row.scenario for row in shard_rows):
-        one = next((row for row in shard_rows if row.scenario == scenario and row.method.shards == 1), None)
-        two = next((row for row in shard_rows if row.scenario == scenario and row.method.shards == 2), None)
+        one, two = _with_shards(shard_rows, scenario, 1), _with_shards(shard_rows, scenario, 2)
         name = f"{scenario.model}: 2 shards move >= {TARGET_SHARD_GAIN}x the gradient bytes/s of 1 ({scenario.links()})"
         if one is None or two is None:
             lines.append(_verdict(None, name, "needs both gradq8 rows"))
             continue
         gain = _gradient_rate(two) / _gradient_rate(one)
-        bound = _optional(two.largest_share and 1 / two.largest_share, ".2f")
+        bound = _optional(None if two.largest_share is None else 1 / two.largest_share, ".2f")
         detail = (
             f"{_gradient_rate(one) / MEGA:.1f} -> {_gradient_rate(two) / MEGA:.1f} MB/s = {gain:.2f}x "
             f"(bucket split bounds it at {bound}x)"
@@ -307,7 +314,7 @@ def _overlap_targets(rows: Sequence[Row]) -> list[str]:
                 continue
             detail = (
                 f"step {row.step_ms:.1f} ms vs compute-only {compute.step_ms:.1f} + link {link:.1f} ms; "
-                f"overlap {_optional(row.overlap and 100 * row.overlap, '.0f')}%, tail {_optional(row.tail_ms, '.1f')} ms"
+                f"overlap {_percent(row.overlap)}%, tail {_optional(row.tail_ms, '.1f')} ms"
             )
             lines.append(_verdict(row.step_ms < compute.step_ms + link, name, detail))
     return lines
