@@ -6,14 +6,17 @@ Run from the repository root with the virtualenv's interpreter::
     python bench/ddp_step.py --check             # exits 1 when a target is missed
     python bench/ddp_step.py --worlds 2 --methods allreduce gradq-8bit --steps 50
 
-Every row is one DDP job on gloo over loopback: W spawned ranks (one thread each)
-train a 784-2048-2048-10 MLP (5,824,522 parameters) on synthetic data (fixed
-seed, batch 32, 10 classes) with plain SGD. After ``--warmup`` untimed steps
-(which also cover DDP's bucket rebuild, gradq's join and numba's first call),
-rank 0 times ``--steps`` steps (forward + backward + optimizer.step, wall clock)
+One DDP job per world size on gloo over loopback: W spawned ranks (one thread
+each) train a 784-2048-2048-10 MLP (5,824,522 parameters) on synthetic data
+(fixed seed, batch 32, 10 classes) with plain SGD. Every method (row) has its
+own DDP model in those ranks, and the methods take turns step by step, so load
+from anything else on the machine falls on every row alike instead of on
+whichever row ran at the time. After ``--warmup`` untimed steps (which also
+cover DDP's bucket rebuild, gradq's join and numba's first call), rank 0 times
+``--steps`` steps per method (forward + backward + optimizer.step, wall clock)
 and the row shows their median. Seed 000's per-channel hook loops over
-512-element channels in Python (~0.65 s a step at world 2), so its row takes
-``--slow-steps`` timed steps after one warm-up step.
+512-element channels in Python (~0.65 s a step at world 2), so it takes
+``--slow-steps`` timed steps after one warm-up step, spread over the run.
 
 The gradq rows push to a real aggregator (``python -m gradq.server``, one per
 world size, a distinct job per row). The seed rows run a faithful torch port of
@@ -27,8 +30,10 @@ gloo callback, and with DDP's two buckets in flight that aborts or deadlocks.
 
 On a small machine the ranks share the cores with each other and with the
 aggregator: world 4 on 2 cores runs 4 ranks plus the aggregator on 2 cores, so
-its times include waiting for a core; compare rows within one world size. This is
-a benchmark, not a test.
+its times include waiting for a core; compare rows within one world size. The
+run prints the load average before and after: other work on the machine skews
+the ratios. A default run takes about 4 minutes on 2 cores. This is a
+benchmark, not a test.
 """
 
 import os
@@ -74,6 +79,7 @@ FP16_BYTES = 2
 SEED_QMAX = 255  # seed 000 quantizes to uint8 levels 0..255
 SEED_CHANNEL_SIZE = 512  # seed 000's per-channel ``bucket_size``
 SLOW_WARMUP_STEPS = 1  # seed per-channel: enough for DDP's bucket rebuild, it has nothing to compile
+PROGRESS_EVERY = 5  # iterations between rank 0's progress lines
 # Time targets hold at this world size; wire targets at every one.
 TARGET_WORLD = 2
 TARGET_VS_ALLREDUCE = 1.2
@@ -322,21 +328,22 @@ METHOD_BY_KEY = {method.key: method for method in METHODS}
 
 
 @dataclass(frozen=True, slots=True)
-class RankSpec:
-    """What every rank of one row's job runs."""
+class JobSpec:
+    """What every rank of one world size's job runs."""
 
-    method: Method
     world_size: int
     init_method: str  # tcp://127.0.0.1:PORT
+    methods: tuple[Method, ...]  # each gets its own DDP model, interleaved step by step
     warmup: int  # untimed steps first
     steps: int  # timed steps
+    slow_steps: int  # timed steps of the slow methods
     address: str | None  # the aggregator, for gradq rows
-    job_id: str  # the gradq job, distinct per row
+    job_prefix: str  # + method key = that method's gradq job
 
 
 @dataclass(frozen=True, slots=True)
 class RankResult:
-    """What rank 0 measured."""
+    """What rank 0 measured for one method."""
 
     step_seconds: tuple[float, ...]  # timed steps, in order
     numel: int  # model parameters
@@ -368,79 +375,120 @@ def _gradq_counters(state: GradqHookState) -> tuple[int, int]:
     return client.bytes_sent, client.bytes_received
 
 
-def _attach(model: DistributedDataParallel, spec: RankSpec) -> GradqHookState | OrderedBucketsState | None:
-    """Register the row's comm hook; returns the state that later tells its wire bytes."""
-    method = spec.method
-    if method.bits is not None:
-        assert spec.address is not None, f"{method.key} needs an aggregator address"
-        gradq = GradqHookState(spec.address, QuantConfig(bits=method.bits), job_id=spec.job_id)
-        model.register_comm_hook(gradq, gradq_hook)
-        return gradq
-    if method.hook is not None and method.gather_bytes is not None:
-        ordered = OrderedBucketsState(method.hook)
-        model.register_comm_hook(ordered, ordered_buckets_hook)
-        return ordered
-    if method.hook is not None:
-        model.register_comm_hook(None, method.hook)
-    return None
+class MethodRun:
+    """One method inside a rank: its DDP model and hook, its schedule, what it measured."""
 
+    __slots__ = (
+        "counters",  # gradq (bytes_sent, bytes_received) when timing began
+        "method",  # the row
+        "model",  # its own DDP model, same initial weights as every other method's
+        "optimizer",  # plain SGD over ``model``
+        "state",  # the hook's state: gradq's, the ordered-buckets wrapper's, or None
+        "step_seconds",  # timed steps so far
+        "steps",  # timed steps
+        "stride",  # steps on every stride-th iteration, so slow rows sample the whole run
+        "warmup",  # untimed steps first
+    )
 
-def _timed_steps(model: nn.Module, spec: RankSpec, rank: int, state: object) -> tuple[list[float], tuple[int, int]]:
-    """Warm up, then time each step; returns the step times and gradq's counters when timing began."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    batches = _batches(rank)
-    step_seconds: list[float] = []
-    counters = (0, 0)
-    for step in range(spec.warmup + spec.steps):
-        if step == spec.warmup and isinstance(state, GradqHookState):
-            counters = _gradq_counters(state)
-        inputs, labels = batches[step % len(batches)]
-        optimizer.zero_grad(set_to_none=True)
+    def __init__(self, method: Method, spec: JobSpec) -> None:
+        self.method = method
+        torch.manual_seed(SEED)
+        self.model = DistributedDataParallel(_model())
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
+        self.state = self._attach(spec)
+        self.warmup = SLOW_WARMUP_STEPS if method.slow else spec.warmup
+        self.steps = spec.slow_steps if method.slow else spec.steps
+        self.stride = max(1, (spec.warmup + spec.steps) // (self.warmup + self.steps))
+        self.step_seconds: list[float] = []
+        self.counters = (0, 0)
+
+    def _attach(self, spec: JobSpec) -> GradqHookState | OrderedBucketsState | None:
+        method = self.method
+        if method.bits is not None:
+            assert spec.address is not None, f"{method.key} needs an aggregator address"
+            job_id = f"{spec.job_prefix}-{method.key}"
+            gradq = GradqHookState(spec.address, QuantConfig(bits=method.bits), job_id=job_id)
+            self.model.register_comm_hook(gradq, gradq_hook)
+            return gradq
+        if method.hook is not None and method.gather_bytes is not None:
+            ordered = OrderedBucketsState(method.hook)
+            self.model.register_comm_hook(ordered, ordered_buckets_hook)
+            return ordered
+        if method.hook is not None:
+            self.model.register_comm_hook(None, method.hook)
+        return None
+
+    @property
+    def iterations(self) -> int:
+        """Iterations of the job loop this method needs."""
+        return self.stride * (self.warmup + self.steps)
+
+    def maybe_step(self, iteration: int, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Run (and, past the warm-up, time) one step if ``iteration`` is one of this method's."""
+        index, offset = divmod(iteration, self.stride)
+        if offset or index >= self.warmup + self.steps:
+            return
+        if index == self.warmup and isinstance(self.state, GradqHookState):
+            self.counters = _gradq_counters(self.state)
+        self.optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        nn.functional.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-        if step >= spec.warmup:
-            step_seconds.append(time.perf_counter() - started)
-    return step_seconds, counters
+        nn.functional.cross_entropy(self.model(batch[0]), batch[1]).backward()
+        self.optimizer.step()
+        if index >= self.warmup:
+            self.step_seconds.append(time.perf_counter() - started)
+
+    def result(self, world_size: int) -> RankResult:
+        """The measurements, with the wire bytes one worker sends (and, for gradq, pulls) per step."""
+        method, state = self.method, self.state
+        numel = sum(parameter.numel() for parameter in self.model.parameters())
+        received: float | None = None
+        if isinstance(state, GradqHookState):
+            sent_total, received_total = _gradq_counters(state)
+            sent = (sent_total - self.counters[0]) / self.steps
+            received = (received_total - self.counters[1]) / self.steps
+        elif isinstance(state, OrderedBucketsState) and method.gather_bytes is not None:
+            sent = (world_size - 1) * sum(map(method.gather_bytes, state.bucket_numels.values()))
+        elif method.ring_element_bytes is not None:
+            sent = ring_allreduce_bytes(numel, world_size, method.ring_element_bytes)
+        else:
+            sent = 0.0
+        return RankResult(tuple(self.step_seconds), numel, sent, received)
+
+    def close(self) -> None:
+        """Leave the gradq job, if any."""
+        if isinstance(self.state, GradqHookState):
+            self.state.close()
 
 
-def _wire_bytes(spec: RankSpec, numel: int, state: object, counters: tuple[int, int]) -> tuple[float, float | None]:
-    """(sent, pulled) bytes per worker per step; pulled only for gradq."""
-    method, world_size = spec.method, spec.world_size
-    if isinstance(state, GradqHookState):
-        sent, received = _gradq_counters(state)
-        return (sent - counters[0]) / spec.steps, (received - counters[1]) / spec.steps
-    if isinstance(state, OrderedBucketsState) and method.gather_bytes is not None:
-        return (world_size - 1) * sum(map(method.gather_bytes, state.bucket_numels.values())), None
-    if method.ring_element_bytes is not None:
-        return ring_allreduce_bytes(numel, world_size, method.ring_element_bytes), None
-    return 0.0, None
-
-
-def _run_rank(rank: int, spec: RankSpec, results: mp.SimpleQueue) -> None:
+def _run_rank(rank: int, spec: JobSpec, results: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size)
-    state: GradqHookState | OrderedBucketsState | None = None
+    runs: list[MethodRun] = []
     try:
-        torch.manual_seed(SEED)
-        model = DistributedDataParallel(_model())
-        state = _attach(model, spec)
-        step_seconds, counters = _timed_steps(model, spec, rank, state)
-        numel = sum(parameter.numel() for parameter in model.parameters())
-        sent, received = _wire_bytes(spec, numel, state, counters)
+        for method in spec.methods:
+            runs.append(MethodRun(method, spec))
+        batches = _batches(rank)
+        iterations = max(run.iterations for run in runs)
+        for iteration in range(iterations):
+            # Rotate the order so no method always runs right after the same other one.
+            shift = iteration % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                run.maybe_step(iteration, batches[iteration % len(batches)])
+            if rank == 0 and (iteration + 1) % PROGRESS_EVERY == 0:
+                print(f"  iteration {iteration + 1}/{iterations}", file=sys.stderr, flush=True)
         if rank == 0:
-            results.put(RankResult(tuple(step_seconds), numel, sent, received))
+            results.put({run.method.key: run.result(spec.world_size) for run in runs})
     finally:
-        if isinstance(state, GradqHookState):
-            state.close()
+        for run in runs:
+            run.close()
         dist.destroy_process_group()
 
 
-def run_row(spec: RankSpec) -> RankResult:
-    """Spawn ``spec.world_size`` ranks, run the job, return rank 0's measurements."""
+def run_job(spec: JobSpec) -> dict[str, RankResult]:
+    """Spawn ``spec.world_size`` ranks, run the job, return rank 0's measurements by method key."""
     queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
     ranks = mp.spawn(_run_rank, args=(spec, queue), nprocs=spec.world_size, join=False)
-    results: list[RankResult] = []
+    results: list[dict[str, RankResult]] = []
     # Drain while waiting: a rank blocks on a full pipe until its result is read.
     while True:
         while not queue.empty():
@@ -450,7 +498,7 @@ def run_row(spec: RankSpec) -> RankResult:
     while not queue.empty():
         results.append(queue.get())
     if len(results) != 1:
-        raise RuntimeError(f"{spec.method.key} at world {spec.world_size}: got {len(results)} results; expected 1")
+        raise RuntimeError(f"world {spec.world_size}: got {len(results)} results from rank 0; expected 1")
     return results[0]
 
 
@@ -627,24 +675,25 @@ def _aggregator_if_needed(world_size: int, methods: Sequence[Method]) -> Iterato
 
 
 def measure(args: argparse.Namespace) -> list[Row]:
-    """Run every selected (world size, method) job; one aggregator per world size."""
-    methods = [METHOD_BY_KEY[key] for key in args.methods]
+    """Run one job per world size (every method interleaved in it); one aggregator per world size."""
+    methods = tuple(METHOD_BY_KEY[key] for key in args.methods)
     rows = []
     for world_size in args.worlds:
         with _aggregator_if_needed(world_size, methods) as address:
-            for method in methods:
-                port = free_port()
-                spec = RankSpec(
-                    method=method,
-                    world_size=world_size,
-                    init_method=f"tcp://127.0.0.1:{port}",
-                    warmup=SLOW_WARMUP_STEPS if method.slow else args.warmup,
-                    steps=args.slow_steps if method.slow else args.steps,
-                    address=address,
-                    job_id=f"bench-ddp-step-{method.key}-w{world_size}-{port}",
-                )
-                print(f"world {world_size}: {method.label} ...", file=sys.stderr, flush=True)
-                rows.append(Row(method, world_size, run_row(spec)))
+            port = free_port()
+            spec = JobSpec(
+                world_size=world_size,
+                init_method=f"tcp://127.0.0.1:{port}",
+                methods=methods,
+                warmup=args.warmup,
+                steps=args.steps,
+                slow_steps=args.slow_steps,
+                address=address,
+                job_prefix=f"bench-ddp-step-w{world_size}-{port}",
+            )
+            print(f"world {world_size}: {len(methods)} methods interleaved ...", file=sys.stderr, flush=True)
+            results = run_job(spec)
+        rows += [Row(method, world_size, results[method.key]) for method in methods]
     return rows
 
 

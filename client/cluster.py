@@ -13,7 +13,9 @@ import ipaddress
 import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from gradq.client.security import ChannelSecurity
 from gradq.client.training import TrainSpec, train_digits
 from gradq.qcore import QuantConfig, Scheme
 
@@ -71,11 +73,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training split")
     parser.add_argument("--min-accuracy", type=float, default=90.0, help="exit 0 only at or above this accuracy")
     parser.add_argument("--job-id", default="compose-digits", help="aggregator job shared by all ranks")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA of the aggregator's certificate: talk TLS")
+    parser.add_argument("--tls-cert", type=Path, help="this worker's PEM certificate, for mutual TLS")
+    parser.add_argument("--tls-key", type=Path, help="its PEM key")
+    parser.add_argument("--token-file", type=Path, help="file holding the bearer token to send")
     args = parser.parse_args(argv)
     try:
         config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
+        token = args.token_file.read_text().strip() if args.token_file else None
+        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
         rank, master = discover_rank(args.peers, args.world_size, args.peer_timeout)
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, OSError) as error:
         parser.error(str(error))
     print(
         f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
@@ -92,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=True,
         job_id=args.job_id,
         connect_timeout_s=60.0,
+        security=security,
     )
     result = train_digits(rank, spec)
     passed = result.accuracy >= args.min_accuracy

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.security import ChannelSecurity
 from gradq.qcore import QuantConfig
 
 __all__ = ["TrainSpec", "TrainResult", "train_digits", "load_digits_split"]
@@ -40,6 +41,7 @@ class TrainSpec:
         progress: rank 0 prints loss and accuracy after every epoch.
         job_id: the aggregator job; empty derives one from the rendezvous, the
             same on every rank.
+        security: TLS / token for the aggregator channels.
     """
 
     world_size: int
@@ -58,6 +60,7 @@ class TrainSpec:
     device: str = "cpu"
     progress: bool = False
     job_id: str = ""
+    security: ChannelSecurity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,8 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 error_feedback=spec.error_feedback,
                 fallback=spec.fallback,
                 job_id=spec.job_id or f"digits-{spec.init_method}",
+                connect_timeout_s=spec.connect_timeout_s,
+                security=spec.security,
             )
             model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate, momentum=0.9)

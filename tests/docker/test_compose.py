@@ -96,3 +96,14 @@ def test_two_shards_and_a_failing_verdict_sets_the_exit_status(compose_env: dict
     assert "verdict: FAIL" in log
     for shard in ("aggregator-1", "aggregator-2-1"):
         assert re.search(rf"{shard}\s+\|.*join rank 0 of 3", log), f"{shard} saw no join:\n{log[-3000:]}"
+
+
+def test_tls_and_token_cluster_trains(compose_env: dict[str, str]) -> None:
+    subprocess.run(["bash", "docker/make-certs.sh"], cwd=REPO, check=True, capture_output=True)
+    completed = compose_up(
+        compose_env | {"GRADQ_EPOCHS": "5", "GRADQ_MIN_ACCURACY": "80"}, "compose.yaml", "compose.tls.yaml"
+    )
+    log = completed.stdout + completed.stderr
+    assert completed.returncode == 0, log[-3000:]
+    assert "(TLS, token auth," in log and "verdict: PASS" in log, log[-3000:]
+    assert len(set(re.findall(r"join rank (\d) of 3 to job 'compose-digits'", log))) == 3

@@ -1,0 +1,358 @@
+"""What one rank of bench/network.py runs: the hooks measured, the model, the timed steps.
+
+Started by bench/network.py (``--rank-main``) inside the rank's network
+namespace. Holds a faithful torch port of seed 000's per-tensor allgather hook,
+the catalogue of models and methods, and the timing of each step's buckets.
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations at
+# registration and needs real types, not strings.
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import netns
+import torch
+import torch.distributed as dist
+from network_report import Method, MethodResult
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.qcore import QuantConfig
+
+__all__ = [
+    "MODELS",
+    "METHODS",
+    "METHOD_BY_KEY",
+    "RankSpec",
+    "seed_pertensor_hook",
+    "serial_buckets_hook",
+    "no_communication_hook",
+    "timed_hook",
+    "build_model",
+    "measure_method",
+    "rank_main",
+]
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+MODELS = {
+    "mlp-5.8m": (784, 2048, 2048, 10),  # 5,824,522 parameters
+    "mlp-25m": (784, 2176, 2176, 2176, 2176, 2176, 2176, 10),  # 25,415,690 parameters
+}
+METHODS = (
+    Method("compute-only", "compute only (no-communication hook)"),
+    Method("allreduce", "gloo allreduce fp32"),
+    Method("fp16", "fp16 compress hook"),
+    Method("seed-pertensor", "seed allgather per-tensor 8-bit"),
+    Method("gradq8-1", "gradq 8-bit, 1 shard", bits=8, shards=1),
+    Method("gradq8-2", "gradq 8-bit, 2 shards", bits=8, shards=2),
+    Method("gradq4-1", "gradq 4-bit, 1 shard", bits=4, shards=1),
+    Method("gradq4-2", "gradq 4-bit, 2 shards", bits=4, shards=2),
+    Method("gradq2ef-1", "gradq 2-bit + EF, 1 shard", bits=2, error_feedback=True, shards=1),
+    Method("gradq2ef-2", "gradq 2-bit + EF, 2 shards", bits=2, error_feedback=True, shards=2),
+)
+METHOD_BY_KEY = {method.key: method for method in METHODS}
+BATCH_SIZE = 32
+CLASSES = 10
+DISTINCT_BATCHES = 4  # synthetic, fixed per rank, cycled through
+LEARNING_RATE = 0.01
+SEED = 0
+
+
+# -- seed 000's per-tensor hook, ported from tensorplay to torch ------------------------------------
+#
+# As the seed wrote it: its min/max observer with .item(), uint8 affine levels,
+# two all_gathers, the second issued and waited on inside the first one's
+# callback. One change: gloo's all_gather future holds the output list itself
+# (NCCL's holds [output list]), so the seed's ``fut.wait()[0]`` reads ``fut.wait()``.
+
+SEED_QMIN, SEED_QMAX = 0, 255
+
+
+class _SeedMinMaxObserver:
+    def __init__(self) -> None:
+        self.min_val = 0.0
+        self.max_val = 0.0
+
+    def __call__(self, tensor: torch.Tensor) -> "_SeedMinMaxObserver":
+        self.min_val = tensor.min().item()
+        self.max_val = tensor.max().item()
+        return self
+
+    def calculate_qparams(self) -> tuple[float, int]:
+        if self.max_val == self.min_val:
+            return 1.0, SEED_QMIN
+        scale = (self.max_val - self.min_val) / float(SEED_QMAX - SEED_QMIN)
+        zero_point = round(SEED_QMIN - self.min_val / scale)  # the seed wraps it in int(): already one
+        return scale, max(SEED_QMIN, min(SEED_QMAX, zero_point))
+
+
+def _seed_quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
+    y = torch.round(x / scale) + zero_point
+    return torch.clamp(y, SEED_QMIN, SEED_QMAX).to(torch.uint8)
+
+
+def _seed_dequantize_per_tensor(y: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
+    return scale * (y.to(torch.float32) - zero_point)
+
+
+def _seed_allgather_out_list(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    return [torch.zeros_like(tensor) for _ in range(world_size)]
+
+
+def seed_pertensor_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Seed 000's ``quantization_pertensor_hook``: uint8 per-tensor affine over two all_gathers.
+
+    Args:
+        process_group: group to average over (None: the default group).
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        Future of the mean bucket.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    tensor = bucket.buffer()
+    scale, zero_point = _SeedMinMaxObserver()(tensor).calculate_qparams()
+    s_and_z = torch.tensor([scale, zero_point], dtype=torch.float32)
+    all_ranks_s_and_z = _seed_allgather_out_list(s_and_z, world_size)
+    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
+
+    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+        gathered = fut.wait()
+        quantized = _seed_quantize_per_tensor(tensor, gathered[rank][0].item(), gathered[rank][1].item())
+        out = _seed_allgather_out_list(quantized, world_size)
+        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
+
+    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        all_ranks_quantized = fut.wait()
+        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
+        for r, quantized in enumerate(all_ranks_quantized):
+            aggregated += _seed_dequantize_per_tensor(
+                quantized, all_ranks_s_and_z[r][0].item(), all_ranks_s_and_z[r][1].item()
+            )
+        return aggregated / world_size
+
+    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
+
+
+class SerialBucketsState:
+    """State of ``serial_buckets_hook``: the allgather hook it runs and the previous bucket's future."""
+
+    __slots__ = (
+        "hook",  # the hook run on each bucket, with process group None (the default group)
+        "in_flight",  # this step's previous bucket; None before the first bucket of a step
+    )
+
+    def __init__(self, hook: Hook) -> None:
+        self.hook = hook
+        self.in_flight: torch.futures.Future[torch.Tensor] | None = None
+
+
+def serial_buckets_hook(state: SerialBucketsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run ``state.hook`` on ``bucket`` after the previous bucket's future is done.
+
+    The seed's hook issues its second all_gather from gloo's completion callback;
+    with two buckets in flight the ranks can issue collectives in different orders
+    (gloo aborts on a size mismatch) or block gloo's worker threads. One bucket at
+    a time keeps every rank's order the same, at the price of overlap.
+    """
+    if state.in_flight is not None:
+        state.in_flight.wait()
+    future = state.hook(None, bucket)
+    state.in_flight = None if bucket.is_last() else future
+    return future
+
+
+def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hand DDP its own bucket back at once: the step's compute alone."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# -- timing the buckets of one step ----------------------------------------------------------------
+
+
+class TimedHookState:
+    """State of ``timed_hook``: the hook it wraps and when this step's buckets reached it."""
+
+    __slots__ = (
+        "bucket_numels",  # bucket index -> elements (DDP's layout as of the latest step)
+        "first_entry",  # perf_counter() at this step's first bucket; None before it
+        "hook",  # the measured hook
+        "inner",  # the measured hook's state
+        "last_entry",  # perf_counter() at this step's last bucket: backward's compute is done
+    )
+
+    def __init__(self, hook: Hook, inner: Any) -> None:
+        self.hook = hook
+        self.inner = inner
+        self.bucket_numels: dict[int, int] = {}
+        self.first_entry: float | None = None
+        self.last_entry: float | None = None
+
+    def reset(self) -> None:
+        """Forget the previous step's times."""
+        self.first_entry = self.last_entry = None
+
+
+def timed_hook(state: TimedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Record when ``bucket`` became ready, then run the wrapped hook on it."""
+    now = time.perf_counter()
+    if state.first_entry is None:
+        state.first_entry = now
+    if bucket.is_last():
+        state.last_entry = now
+    state.bucket_numels[bucket.index()] = bucket.buffer().numel()
+    return state.hook(state.inner, bucket)
+
+
+# -- one rank --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank of one scenario runs; travels as JSON on the command line."""
+
+    rank: int
+    world_size: int
+    rendezvous: str  # host:port of rank 0's TCPStore
+    layers: tuple[int, ...]
+    methods: tuple[str, ...]
+    aggregators: tuple[str, ...]  # host:port of each shard
+    warmup: int
+    steps: int
+    job_prefix: str  # gradq job ids are <prefix>-<method>
+    output: str  # where this rank writes its MethodResult list
+
+
+def build_model(layers: Sequence[int]) -> nn.Module:
+    """An MLP with ReLU between the ``layers`` widths; same weights on every rank."""
+    torch.manual_seed(SEED)
+    modules: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(layers):
+        modules += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*modules[:-1])
+
+
+def _batches(rank: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(SEED + rank)
+    return [
+        (
+            torch.randn(BATCH_SIZE, inputs, generator=generator),
+            torch.randint(0, CLASSES, (BATCH_SIZE,), generator=generator),
+        )
+        for _ in range(DISTINCT_BATCHES)
+    ]
+
+
+def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState | None]:
+    """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
+    if method.bits is not None:
+        config = QuantConfig(bits=method.bits)
+        addresses = list(spec.aggregators[: method.shards])
+        state = GradqHookState(
+            addresses,
+            config,
+            error_feedback=method.error_feedback,
+            job_id=f"{spec.job_prefix}-{method.key}",
+            connect_timeout_s=60.0,
+        )
+        return gradq_hook, state, state
+    if method.key == "seed-pertensor":
+        return serial_buckets_hook, SerialBucketsState(seed_pertensor_hook), None
+    if method.key == "fp16":
+        return fp16_compress_hook, None, None  # process group None: the default group
+    raise ValueError(f"method={method.key!r} has no hook; expected one of {', '.join(METHOD_BY_KEY)}")
+
+
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[float, float]:
+    """One step; returns (start, end of backward) in perf_counter() seconds."""
+    inputs, labels = batch
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(inputs), labels).backward()
+    backward_done = time.perf_counter()
+    optimizer.step()
+    return started, backward_done
+
+
+def measure_method(
+    spec: RankSpec, method: Method, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> MethodResult:
+    """Warm up, then time ``spec.steps`` steps of ``method`` and count this rank's wire bytes.
+
+    Returns:
+        This rank's step times, bucket timings, wire bytes per step and bucket sizes.
+    """
+    model = DistributedDataParallel(build_model(spec.layers))
+    timer: TimedHookState | None = None
+    gradq_state: GradqHookState | None = None
+    if method.key == "compute-only":  # nothing to time: the hook returns at once
+        model.register_comm_hook(None, no_communication_hook)
+    elif method.key != "allreduce":  # plain DDP: its built-in allreduce, no hook
+        hook, inner, gradq_state = _hook_for(method, spec)
+        timer = TimedHookState(hook, inner)
+        model.register_comm_hook(timer, timed_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    try:
+        for step in range(spec.warmup):
+            _train_step(model, optimizer, batches[step % len(batches)])
+        dist.barrier()
+        tx_before, rx_before = netns.read_counters(netns.HOST_DEVICE)
+        step_s, window_s, tail_s = [], [], []
+        for step in range(spec.steps):
+            if timer is not None:
+                timer.reset()
+            started, backward_done = _train_step(model, optimizer, batches[step % len(batches)])
+            step_s.append(time.perf_counter() - started)
+            if timer is not None and timer.first_entry is not None and timer.last_entry is not None:
+                window_s.append(backward_done - timer.first_entry)
+                tail_s.append(backward_done - timer.last_entry)
+        dist.barrier()  # every peer has received what this rank sent: the counters are complete
+        tx_after, rx_after = netns.read_counters(netns.HOST_DEVICE)
+    finally:
+        if gradq_state is not None:
+            gradq_state.close()
+    return MethodResult(
+        key=method.key,
+        step_s=step_s,
+        window_s=window_s,
+        tail_s=tail_s,
+        tx_per_step=(tx_after - tx_before) / spec.steps,
+        rx_per_step=(rx_after - rx_before) / spec.steps,
+        bucket_numels=[timer.bucket_numels[index] for index in sorted(timer.bucket_numels)] if timer else [],
+        numel=sum(parameter.numel() for parameter in model.parameters()),
+    )
+
+
+def rank_main(spec: RankSpec) -> None:
+    """Join the gloo group over this namespace's link, measure every method, write the results."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{spec.rendezvous}",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(minutes=15),
+    )
+    try:
+        batches = _batches(spec.rank, spec.layers[0])
+        results = [measure_method(spec, METHOD_BY_KEY[key], batches) for key in spec.methods]
+        Path(spec.output).write_text(json.dumps([dataclasses.asdict(result) for result in results]))
+    finally:
+        dist.destroy_process_group()
