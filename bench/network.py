@@ -306,8 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         removed = netns.remove_namespaces(netns.leftover_namespaces())
         print(f"removed: {', '.join(removed) or 'nothing'}")
         return 0
+    load_before = os.getloadavg()[0]
     rows = run(args)
-    report = network_report.render(rows, args, os.cpu_count() or 0)
+    report = network_report.render(rows, args, os.cpu_count() or 0, (load_before, os.getloadavg()[0]))
     print(report)
     for path in _save(report, rows, args):
         print(f"wrote {path}", file=sys.stderr)

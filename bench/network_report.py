@@ -218,8 +218,9 @@ FOOTNOTES = """\
     ready (backward's compute done) -> backward returns; overlap = (window - tail) /
     window, the share of the communication window during which backward still computed.
 [c] tx/rx byte counters of the worker's own veth over the timed steps (between two
-    barriers), divided by the steps: every byte on the wire, TCP/IP, gRPC/HTTP2 and
-    gloo framing included. Mean over the workers."""
+    barriers), divided by the steps: payload plus gRPC/HTTP2, gloo and TCP/IP framing.
+    Mean over the workers. The veth counts TCP/IP headers once per GSO packet (up to
+    64 KiB), so a real Ethernet link would carry a few percent more."""
 
 SHARD_FOOTNOTES = """\
 [d] Share of the gradient elements on the busiest shard: gradq assigns whole DDP buckets
@@ -320,15 +321,23 @@ def _overlap_targets(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def render(rows: Sequence[Row], args: argparse.Namespace, cpus: int) -> str:
-    """The whole report as markdown."""
+def render(rows: Sequence[Row], args: argparse.Namespace, cpus: int, load: tuple[float, float]) -> str:
+    """The whole report as markdown.
+
+    Args:
+        rows: every measured row, in run order.
+        args: the run's flags (preset, step counts).
+        cpus: CPU cores of the machine.
+        load: 1-minute load average before and after the run (other work on the machine skews the times).
+    """
     numel = {row.scenario.model: row.numel for row in rows}
     lines = [
         "# DDP step over rate-limited links (bench/network.py)",
         "",
         f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; "
         f"batch 32, SGD, gloo, 1 thread per rank; {cpus} CPU cores shared by all ranks and both aggregators; "
-        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions.",
+        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
+        f"1-minute load average {load[0]:.1f} before the run, {load[1]:.1f} after it.",
     ]
     for model, parameters in numel.items():
         lines += ["", f"## {model} ({parameters:,} parameters)", "", *_main_table(rows, model)]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.security import ChannelSecurity
+from gradq.client.stats import ClientStats
 from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
 from gradq.client.worker import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, QuantizedArray, Rounding
@@ -121,6 +122,10 @@ class GradqHookState:
     def mode(self) -> str | None:
         """ "gradq", or the fallback in use; None before the first bucket."""
         return self._mode
+
+    def stats(self) -> ClientStats | None:
+        """The worker client's figures (encode/network/decode time, bytes, ratio, error); None if not connected."""
+        return self._client.stats() if self._client is not None else None
 
     def close(self) -> None:
         """Leave the job and close the channels."""

@@ -184,4 +184,8 @@ def _report(rows: list[tuple[str, list[TrainResult]]]) -> None:
             f"| {label:<46} | {first.accuracy:7.1f}% | {first.last_loss:10.4f} | "
             f"{1000 * first.seconds_per_step:7.2f} | {sent:>22} | {ratio:>7} |"
         )
+    for label, results in rows:
+        stats = results[0].stats
+        if stats is not None:
+            print(f"{label} (rank 0, per push): {stats.line()}")
     print()

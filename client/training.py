@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
 from gradq.client.security import ChannelSecurity
+from gradq.client.stats import ClientStats
 from gradq.qcore import QuantConfig
 
 __all__ = ["TrainSpec", "TrainResult", "train_digits", "load_digits_split"]
@@ -77,6 +78,7 @@ class TrainResult:
     fp32_bytes: int  # what the same buckets weigh in fp32
     parameters: np.ndarray  # flat final parameters, to compare across ranks
     mode: str  # "gradq", "allreduce" or the fallback that ran
+    stats: ClientStats | None = None  # the hook's client figures, when gradq ran
 
 
 def load_digits_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -134,6 +136,8 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 optimizer.step()
                 epoch_losses.append(loss.item())
                 steps += 1
+                if steps == 1:  # time from the second step: the first connects and warms up
+                    started = time.perf_counter()
             losses.append(float(np.mean(epoch_losses)))
             if spec.progress and rank == 0:
                 accuracy = _accuracy(model, x_test, y_test, device, dtype)
@@ -150,11 +154,12 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
             first_loss=losses[0],
             last_loss=losses[-1],
             steps=steps,
-            seconds_per_step=elapsed / max(steps, 1),
+            seconds_per_step=elapsed / max(steps - 1, 1),
             bytes_sent=client.bytes_sent if client is not None else 0,
             fp32_bytes=4 * numel * steps,
             parameters=torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu().numpy(),
             mode=(state.mode or "gradq") if state is not None else "allreduce",
+            stats=state.stats() if state is not None else None,
         )
     finally:
         if state is not None:

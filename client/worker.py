@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -14,9 +15,10 @@ import numpy as np
 
 from gradq.client import serde
 from gradq.client.security import ChannelSecurity
+from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
-from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, encode
+from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, decode, encode
 
 __all__ = ["WorkerClient", "AggregationError", "shard_for", "DEFAULT_MAX_MESSAGE_BYTES"]
 
@@ -65,6 +67,7 @@ class WorkerClient:
         retry_backoff_s: first retry delay, doubled on each retry.
         max_message_bytes: gRPC send/receive limit.
         security: TLS / mutual TLS / bearer token; None talks plaintext.
+        log_every_s: log a one-line ``stats()`` summary at most this often (None: never).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class WorkerClient:
         retry_backoff_s: float = 0.2,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: ChannelSecurity | None = None,
+        log_every_s: float | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -112,9 +116,8 @@ class WorkerClient:
         self._channels = [self.security.channel(address, options) for address in self.addresses]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self._stats = StatsRecorder(log_every_s)
+        self._pushes_since_sample = 0
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -126,6 +129,8 @@ class WorkerClient:
         """
         for shard in range(len(self._stubs)):
             self._join_shard(shard)
+        # Load the compiled kernels now, so the first push is not charged for it.
+        decode(encode(np.zeros(8, np.float32), self.config))
 
     def _join_shard(self, shard: int) -> None:
         request = serde.join_request(self.job_id, self.rank, self.world_size)
@@ -183,6 +188,7 @@ class WorkerClient:
         caller may reuse ``array`` immediately.
         """
         values = np.asarray(array)
+        started = time.perf_counter()
         try:
             if self._error_feedback is not None:
                 tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
@@ -193,7 +199,36 @@ class WorkerClient:
             # the round or skips it for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
             return self.push_pull_non_finite_async(step, bucket, values.size, values.shape)
-        return self.push_pull_encoded_async(step, bucket, tensor, values.shape)
+        encode_seconds = time.perf_counter() - started
+        self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, self._sampled_error(bucket, values, tensor))
+        return self.push_pull_encoded_async(step, bucket, tensor, values.shape, counted=True)
+
+    def _sampled_error(self, bucket: int, values: np.ndarray, tensor: QuantizedArray) -> float | None:
+        """||decoded - input|| / ||input||: free with error feedback (the residual), else every 16th push."""
+        norm = float(np.linalg.norm(values))
+        if norm == 0.0:
+            return None
+        if self._error_feedback is not None:
+            residual = self._error_feedback.residual(bucket)
+            return float(np.linalg.norm(residual)) / norm if residual is not None else None
+        self._pushes_since_sample = (self._pushes_since_sample + 1) % 16
+        if self._pushes_since_sample != 1:
+            return None
+        return float(np.linalg.norm(decode(tensor) - values.reshape(-1))) / norm
+
+    def stats(self) -> ClientStats:
+        """Encode / network / decode time, bytes, compression ratio and relative error so far."""
+        return self._stats.snapshot()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Wire bytes pushed so far."""
+        return self._stats.snapshot().bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Wire bytes of the means pulled so far."""
+        return self._stats.snapshot().bytes_received
 
     def push_pull_non_finite_async(
         self, step: int, bucket: int, numel: int, shape: tuple[int, ...] | None = None
@@ -214,6 +249,7 @@ class WorkerClient:
         shape: tuple[int, ...] | None = None,
         *,
         non_finite: bool = False,
+        counted: bool = False,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
 
@@ -223,19 +259,21 @@ class WorkerClient:
             tensor: the encoded bucket.
             shape: shape of the returned mean; flat when None.
             non_finite: ``tensor`` is a placeholder for a NaN/Inf bucket.
+            counted: the caller already recorded this push in ``stats()``.
         """
         shard = shard_for(bucket, len(self._stubs))
         if not self._joined[shard]:
             self._join_shard(shard)
         request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor, non_finite)
-        with self._lock:
-            self.bytes_sent += tensor.nbytes
+        if not counted:
+            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         flat_shape = (tensor.numel,) if shape is None else shape
         pending = _PendingPush(shard, request, flat_shape, tensor.numel, concurrent.futures.Future())
         self._send(pending)
         return pending.result
 
     def _send(self, pending: _PendingPush) -> None:
+        pending.sent_at = time.perf_counter()
         call = self._stubs[pending.shard].PushPull.future(
             pending.request, timeout=self.timeout_s, metadata=self._metadata
         )
@@ -245,13 +283,19 @@ class WorkerClient:
         code = call.code()
         address = self.addresses[pending.shard]
         if code == grpc.StatusCode.OK:
+            received_at = time.perf_counter()
             try:
                 mean = serde.mean_from_proto(call.result(), pending.numel)
             except ValueError as error:
                 pending.result.set_exception(AggregationError(address, None, str(error)))
                 return
-            with self._lock:
-                self.bytes_received += mean.wire_bytes
+            self._stats.pulled(
+                mean.wire_bytes,
+                received_at - pending.sent_at,
+                time.perf_counter() - received_at,
+                mean.skipped,
+                mean.partial,
+            )
             if mean.skipped:
                 log.warning(
                     "aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.request.step
@@ -294,3 +338,4 @@ class _PendingPush:
     numel: int
     result: concurrent.futures.Future[np.ndarray]
     attempt: int = 0
+    sent_at: float = 0.0  # perf_counter when the latest attempt went out

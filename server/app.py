@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gradq.server.auth import TokenAuthInterceptor, TokenTable
+from gradq.server.metrics import RoundMetrics
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
@@ -65,6 +66,8 @@ class ServerOptions:
         grace_s: on stop, rounds in flight get this long to finish.
         tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.
         tokens: require a bearer token on every call but health and reflection.
+        metrics_port: serve Prometheus metrics over HTTP on this port (0 picks
+            one; None serves none).
     """
 
     address: str = "0.0.0.0:50051"
@@ -73,6 +76,7 @@ class ServerOptions:
     grace_s: float = 10.0
     tls: TlsFiles | None = None
     tokens: TokenTable | None = None
+    metrics_port: int | None = None
 
 
 class AggregatorServer:
@@ -81,7 +85,9 @@ class AggregatorServer:
     def __init__(self, policy: RoundPolicy, options: ServerOptions) -> None:
         self.policy = policy
         self.options = options
-        self.table = RoundTable(policy, package=package_result)
+        self.metrics = RoundMetrics() if options.metrics_port is not None else None
+        self.metrics_port: int | None = None
+        self.table = RoundTable(policy, package=package_result, observer=self.metrics)
         self.health = health.HealthServicer()
         limits = [
             ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -110,6 +116,10 @@ class AggregatorServer:
     def start(self) -> None:
         """Start serving and mark the aggregator healthy."""
         self._server.start()
+        if self.metrics is not None and self.options.metrics_port is not None:
+            host = self.options.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+            self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(

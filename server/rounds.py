@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gradq.qcore import ErrorFeedback, QuantizedArray, decode_accumulate, encode
+from gradq.qcore import ErrorFeedback, QuantizedArray, decode, decode_accumulate, encode
 from gradq.server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -25,6 +25,7 @@ from gradq.server.errors import (
     UnavailableError,
 )
 from gradq.server.policy import PushedGrid, RoundPolicy, return_config_for
+from gradq.server.reports import RoundObserver, RoundReport
 
 __all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
@@ -54,6 +55,7 @@ class RoundResult:
 class _Round:
     __slots__ = (
         "accumulator",
+        "arrivals",
         "bucket",
         "contributors",
         "deadline",
@@ -61,7 +63,10 @@ class _Round:
         "error",
         "lock",
         "non_finite",
+        "opened_at",
         "pushed",
+        "received_bytes",
+        "relative_error",
         "result",
         "step",
     )
@@ -76,6 +81,11 @@ class _Round:
         self.done = threading.Event()
         self.accumulator: np.ndarray | None = np.zeros(pushed.numel, np.float32)
         self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
+        # For metrics: when the round opened, when each rank arrived, bytes in, error out.
+        self.opened_at = time.monotonic()
+        self.arrivals: dict[int, float] = {}
+        self.received_bytes = 0
+        self.relative_error: float | None = None
         self.contributors: set[int] = set()
         self.result: RoundResult | None = None
         self.error: RoundError | None = None
@@ -112,6 +122,7 @@ class RoundTable:
         clock: monotonic seconds; tests may pass their own.
         package: turns a finished round's result into its wire answer, once
             per round (stored as ``RoundResult.packaged``).
+        observer: told about every finished round (metrics).
     """
 
     def __init__(
@@ -119,14 +130,22 @@ class RoundTable:
         policy: RoundPolicy,
         clock: Callable[[], float] = time.monotonic,
         package: Callable[[RoundResult], object] | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
         self._package = package
+        self._observer = observer
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._closing = False
-        self.counters = {"rounds_completed": 0, "rounds_partial": 0, "rounds_failed": 0, "contributions": 0}
+        self.counters = {
+            "rounds_completed": 0,
+            "rounds_partial": 0,
+            "rounds_skipped": 0,
+            "rounds_failed": 0,
+            "contributions": 0,
+        }
 
     # -- membership -------------------------------------------------------------------------
 
@@ -188,7 +207,7 @@ class RoundTable:
         for rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set() and rank not in rnd.contributors:
-                    self._close_early(job_id, job, rnd, f"rank {rank} left the job")
+                    self._close_early(job_id, job, rnd, f"rank {rank} left the job", "rank_left")
 
     # -- the round --------------------------------------------------------------------------
 
@@ -253,11 +272,14 @@ class RoundTable:
                     decode_accumulate(tensor, rnd.accumulator)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
-                    self._fail(job_id, job, rnd, InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}"))
+                    error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
+                    self._fail(job_id, job, rnd, error, "non_finite")
                     return RoundTicket(job_id, job, rnd, rank)
                 else:
                     rnd.non_finite.add(rank)
                 rnd.contributors.add(rank)
+                rnd.arrivals[rank] = self._clock()
+                rnd.received_bytes += tensor.nbytes
                 if len(rnd.contributors) == job.world_size:
                     self._finish(job_id, job, rnd)
         return RoundTicket(job_id, job, rnd, rank)
@@ -275,10 +297,10 @@ class RoundTable:
             with rnd.lock:
                 if not rnd.done.is_set():
                     reason = f"deadline of {self.policy.round_timeout_s:g} s passed"
-                    self._close_early(ticket.job_id, ticket.job, rnd, reason)
+                    self._close_early(ticket.job_id, ticket.job, rnd, reason, "deadline")
         return _answer(ticket.job_id, rnd, ticket.rank)
 
-    def _finish(self, job_id: str, job: _Job, rnd: _Round, missing: tuple[int, ...] = ()) -> None:
+    def _finish(self, job_id: str, job: _Job, rnd: _Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
         mean = rnd.accumulator
         assert mean is not None
@@ -293,21 +315,20 @@ class RoundTable:
             else:
                 encoded = encode(mean, config, dtype=rnd.pushed.dtype)
         except ValueError:
-            self._fail(
-                job_id,
-                job,
-                rnd,
-                InvalidArgumentError(
-                    f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"
-                ),
+            error = InvalidArgumentError(
+                f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"
             )
+            self._fail(job_id, job, rnd, error, "overflow")
             return
+        if self._observer is not None:
+            rnd.relative_error = _relative_error(mean, encoded)
         result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
         rnd.result = replace(result, packaged=self._package(result)) if self._package else result
         log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
-        self._release(job, rnd, "rounds_partial" if missing else "rounds_completed")
+        outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
+        self._release(job_id, job, rnd, outcome, reason)
 
-    def _close_early(self, job_id: str, job: _Job, rnd: _Round, reason: str) -> None:
+    def _close_early(self, job_id: str, job: _Job, rnd: _Round, reason: str, code: str) -> None:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
         quorum = self.policy.partial_quorum
@@ -319,28 +340,27 @@ class RoundTable:
                 sorted(rnd.contributors),
                 list(missing),
             )
-            self._finish(job_id, job, rnd, missing)
+            self._finish(job_id, job, rnd, missing, code)
             return
-        self._fail(
-            job_id,
-            job,
-            rnd,
-            RoundAbortedError(
-                f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
-                f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
-            ),
+        error = RoundAbortedError(
+            f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
+            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
         )
+        self._fail(job_id, job, rnd, error, code)
 
-    def _fail(self, job_id: str, job: _Job, rnd: _Round, error: RoundError) -> None:
+    def _fail(self, job_id: str, job: _Job, rnd: _Round, error: RoundError, reason: str) -> None:
         rnd.error = error
         log.warning("%s", error)
-        self._release(job, rnd, "rounds_failed")
+        self._release(job_id, job, rnd, "failed", reason)
 
-    def _release(self, job: _Job, rnd: _Round, outcome: str) -> None:
+    def _release(self, job_id: str, job: _Job, rnd: _Round, outcome: str, reason: str) -> None:
+        """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
         rnd.accumulator = None
         rnd.done.set()
+        if self._observer is not None:
+            self._observer.round_finished(_report(job_id, rnd, outcome, reason))
         with self._lock:
-            self.counters[outcome] += 1
+            self.counters[f"rounds_{outcome}"] += 1
             self.counters["contributions"] += len(rnd.contributors)
             job.newest_finished_step = max(job.newest_finished_step, rnd.step)
             oldest = job.newest_finished_step - self.policy.retain_steps
@@ -362,7 +382,7 @@ class RoundTable:
         for job_id, job, rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set():
-                    self._fail(job_id, job, rnd, UnavailableError(f"{rnd.describe(job_id)}: {reason}"))
+                    self._fail(job_id, job, rnd, UnavailableError(f"{rnd.describe(job_id)}: {reason}"), "shutdown")
                     failed += 1
         return failed
 
@@ -392,3 +412,28 @@ def _answer(job_id: str, rnd: _Round, rank: int) -> RoundResult:
 def _check_job_id(job_id: str) -> None:
     if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
         raise InvalidArgumentError(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")
+
+
+def _relative_error(mean: np.ndarray, encoded: QuantizedArray) -> float:
+    """||decode(encoded) - mean|| / ||mean||: what re-quantizing the mean cost (0 for a zero mean)."""
+    norm = float(np.linalg.norm(mean))
+    return float(np.linalg.norm(decode(encoded) - mean)) / norm if norm > 0 else 0.0
+
+
+def _report(job_id: str, rnd: _Round, outcome: str, reason: str) -> RoundReport:
+    arrivals = sorted(rnd.arrivals.items(), key=lambda item: item[1])
+    # Counted as the client counts what it receives: the encoded mean's wire size.
+    sent = rnd.result.mean.nbytes * len(rnd.result.contributors) if rnd.result is not None else 0
+    return RoundReport(
+        job_id=job_id,
+        outcome=outcome,
+        reason=reason,
+        contributors=len(rnd.contributors),
+        numel=rnd.pushed.numel,
+        received_bytes=rnd.received_bytes,
+        sent_bytes=sent,
+        seconds=time.monotonic() - rnd.opened_at,
+        straggler_seconds=arrivals[-1][1] - arrivals[-2][1] if len(arrivals) > 1 else 0.0,
+        slowest_rank=arrivals[-1][0] if arrivals else -1,
+        relative_error=rnd.relative_error,
+    )

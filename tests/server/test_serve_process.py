@@ -104,6 +104,18 @@ def test_bad_configuration_exits_2_with_a_message(args: list[str], env: dict[str
     assert message in completed.stderr
 
 
+def test_json_logs_are_one_object_per_line(tmp_path: Path, processes: list[subprocess.Popen[str]]) -> None:
+    import json
+
+    process, _ = start_serve(tmp_path, "--log-format", "json")
+    processes.append(process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
+    lines = [json.loads(line) for line in (process.stderr.read() if process.stderr else "").splitlines() if line]
+    assert any("serving on port" in line["message"] for line in lines)
+    assert {line["level"] for line in lines} <= {"INFO", "WARNING"} and all("time" in line for line in lines)
+
+
 def test_environment_configures_the_server(tmp_path: Path, processes: list[subprocess.Popen[str]]) -> None:
     process, port = start_serve(tmp_path, env={"GRADQ_WORLD_SIZE": "3"})
     processes.append(process)

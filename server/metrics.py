@@ -1,0 +1,99 @@
+"""Prometheus metrics for the aggregator (`gradq serve --metrics-port`).
+
+Answers an operator's three questions per job: is it healthy (rounds by
+outcome and reason), what is it saving (bytes, compression ratio), and what
+does it cost (error of the mean sent back, round latency, straggler wait).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from gradq.server.reports import RoundReport
+
+__all__ = ["RoundMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RoundMetrics:
+    """A RoundObserver that keeps Prometheus series in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        job = ["job"]
+        self.rounds = Counter(
+            "gradq_rounds",
+            "Rounds finished, by outcome and reason",
+            ["job", "outcome", "reason"],
+            registry=self.registry,
+        )
+        self.contributions = Counter("gradq_contributions", "Contributions averaged", job, registry=self.registry)
+        self.received_bytes = Counter(
+            "gradq_received_bytes", "Wire bytes of accepted contributions", job, registry=self.registry
+        )
+        self.sent_bytes = Counter("gradq_sent_bytes", "Wire bytes of means sent back", job, registry=self.registry)
+        self.fp32_bytes = Counter(
+            "gradq_fp32_equivalent_bytes", "What the accepted contributions weigh in fp32", job, registry=self.registry
+        )
+        self.compression_ratio = Gauge(
+            "gradq_compression_ratio",
+            "fp32 bytes / wire bytes of the last round's contributions",
+            job,
+            registry=self.registry,
+        )
+        self.relative_error = Gauge(
+            "gradq_mean_relative_error",
+            "||mean sent - fp32 mean|| / ||fp32 mean|| of the last round",
+            job,
+            registry=self.registry,
+        )
+        self.round_seconds = Histogram(
+            "gradq_round_seconds",
+            "First contribution to the round's end",
+            job,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.straggler_seconds = Histogram(
+            "gradq_straggler_wait_seconds",
+            "Time a round waited for its last rank after the one before",
+            job,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.slowest_rank = Gauge(
+            "gradq_slowest_rank", "Rank that arrived last in the last round", job, registry=self.registry
+        )
+        self.slowest_rank_rounds = Counter(
+            "gradq_slowest_rank_rounds",
+            "Rounds in which this rank arrived last",
+            ["job", "rank"],
+            registry=self.registry,
+        )
+
+    def round_finished(self, report: RoundReport) -> None:
+        """Record one finished round."""
+        job = report.job_id
+        self.rounds.labels(job, report.outcome, report.reason or "none").inc()
+        self.round_seconds.labels(job).observe(report.seconds)
+        if report.outcome == "failed":
+            return
+        fp32 = 4 * report.numel * report.contributors
+        self.contributions.labels(job).inc(report.contributors)
+        self.received_bytes.labels(job).inc(report.received_bytes)
+        self.sent_bytes.labels(job).inc(report.sent_bytes)
+        self.fp32_bytes.labels(job).inc(fp32)
+        if report.received_bytes:
+            self.compression_ratio.labels(job).set(fp32 / report.received_bytes)
+        if report.relative_error is not None:
+            self.relative_error.labels(job).set(report.relative_error)
+        self.straggler_seconds.labels(job).observe(report.straggler_seconds)
+        if report.slowest_rank >= 0:
+            self.slowest_rank.labels(job).set(report.slowest_rank)
+            self.slowest_rank_rounds.labels(job, str(report.slowest_rank)).inc()
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> int:
+        """Expose /metrics over HTTP on ``port`` (0 picks one); returns the bound port."""
+        server, _ = start_http_server(port, address, registry=self.registry)
+        return int(server.server_port)
