@@ -32,7 +32,7 @@ On a small machine the ranks share the cores with each other and with the
 aggregator: world 4 on 2 cores runs 4 ranks plus the aggregator on 2 cores, so
 its times include waiting for a core; compare rows within one world size. The
 run prints the load average before and after: other work on the machine skews
-the ratios. A default run takes about 4 minutes on 2 cores. This is a
+the ratios. A default run takes about 1.5 minutes on 2 cores. This is a
 benchmark, not a test.
 """
 

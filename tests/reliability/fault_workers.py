@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 
 import numpy as np
 
@@ -19,7 +21,8 @@ def gradient(rank: int, step: int) -> np.ndarray:
 
 
 def exact_mean(world: int, step: int) -> np.ndarray:
-    return np.mean([gradient(rank, step) for rank in range(world)], axis=0, dtype=np.float64).astype(np.float32)
+    total = np.sum([gradient(rank, step) for rank in range(world)], axis=0, dtype=np.float64)
+    return np.asarray(total / world, dtype=np.float32)
 
 
 def run_worker(
@@ -45,7 +48,7 @@ def run_worker(
 
 def start_workers(
     address: str, job: str, world: int, steps: int, hang: dict[int, int] | None = None, pause_s: float = 0.0
-) -> tuple[list[mp.Process], mp.Queue]:
+) -> tuple[Sequence[BaseProcess], mp.Queue]:
     context = mp.get_context("spawn")
     events: mp.Queue = context.Queue()
     processes = [

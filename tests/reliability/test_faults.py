@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import queue
 import signal
@@ -59,8 +60,11 @@ def aggregators() -> Iterator[list[subprocess.Popen[bytes]]]:
         process.wait()
 
 
-def collect(events: queue.Queue, count: int, timeout_s: float) -> list[tuple[int, int, bool, str, float]]:
-    found = []
+Event = tuple[int, int, bool, str, float]
+
+
+def collect(events: mp.Queue, count: int, timeout_s: float) -> list[Event]:
+    found: list[Event] = []
     deadline = time.monotonic() + timeout_s
     while len(found) < count:
         found.append(events.get(timeout=max(0.1, deadline - time.monotonic())))
@@ -77,6 +81,7 @@ def test_killed_worker_is_named_to_survivors_within_deadline_and_server_keeps_se
     try:
         before = collect(events, 3 * 3 + 1, timeout_s=60)  # steps 0-2 for everyone, then rank 2 hangs
         assert all(ok for _, _, ok, _, _ in before), before
+        assert workers[2].pid is not None
         os.kill(workers[2].pid, signal.SIGKILL)
         survivors = collect(events, 2, timeout_s=ROUND_TIMEOUT_S + 10)
     finally:
