@@ -676,7 +676,7 @@ def _aggregator_if_needed(world_size: int, methods: Sequence[Method]) -> Iterato
 
 def measure(args: argparse.Namespace) -> list[Row]:
     """Run one job per world size (every method interleaved in it); one aggregator per world size."""
-    methods = tuple(METHOD_BY_KEY[key] for key in args.methods)
+    methods = tuple(METHOD_BY_KEY[key] for key in dict.fromkeys(args.methods))  # each once, in the order given
     rows = []
     for world_size in args.worlds:
         with _aggregator_if_needed(world_size, methods) as address:

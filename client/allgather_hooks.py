@@ -72,19 +72,23 @@ def _allgather_mean(
     buffer = bucket.buffer()
     mine = encode(buffer.detach().float().cpu().numpy(), config)
     qparams = torch.from_numpy(np.concatenate([mine.scale.view(np.uint8), mine.zero_point.view(np.uint8)]))
+    payload = torch.from_numpy(mine.payload)
     gathered_qparams = [torch.empty_like(qparams) for _ in range(world_size)]
-    first = dist.all_gather(gathered_qparams, qparams, group=group, async_op=True).get_future()
+    gathered_payloads = [torch.empty_like(payload) for _ in range(world_size)]
+    # Both collectives start here, in the hook, so every rank issues them in DDP's
+    # bucket order. Starting the second from the first's callback (as the seed does)
+    # lets two buckets' collectives interleave differently on different ranks.
+    both = torch.futures.collect_all(
+        [
+            dist.all_gather(gathered_qparams, qparams, group=group, async_op=True).get_future(),
+            dist.all_gather(gathered_payloads, payload, group=group, async_op=True).get_future(),
+        ]
+    )
 
-    def gather_payloads(_: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
-        payload = torch.from_numpy(mine.payload)
-        gathered = [torch.empty_like(payload) for _ in range(world_size)]
-        dist.all_gather(gathered, payload, group=group, async_op=True).get_future().wait()
-        return gathered
-
-    def average(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def average(_: torch.futures.Future[list[torch.futures.Future[list[torch.Tensor]]]]) -> torch.Tensor:
         total = np.zeros(mine.numel, np.float32)
         channels = mine.num_channels
-        for rank_qparams, rank_payload in zip(gathered_qparams, done.value(), strict=True):
+        for rank_qparams, rank_payload in zip(gathered_qparams, gathered_payloads, strict=True):
             raw = rank_qparams.numpy()
             theirs = QuantizedArray(
                 mine.scheme,
@@ -99,4 +103,4 @@ def _allgather_mean(
         total /= np.float32(world_size)
         return torch.from_numpy(total).to(buffer.device, buffer.dtype).view_as(buffer)
 
-    return first.then(gather_payloads).then(average)
+    return both.then(average)

@@ -148,6 +148,7 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         elapsed = time.perf_counter() - started
         numel = sum(p.numel() for p in model.parameters())
         client = state.client if state is not None else None
+        dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
         return TrainResult(
             rank=rank,
             accuracy=_accuracy(model, x_test, y_test, device, dtype),

@@ -14,14 +14,19 @@ from gradq.client.ddp_hook import GradqHookState, gradq_hook
 
 
 class Probe(nn.Module):
-    """loss = sum(w * g): the gradient of w is exactly g."""
+    """loss = sum(w * g): the gradient of w is exactly g.
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+    With ``pieces`` > 1, w is split into that many parameters and DDP (given a
+    tiny bucket cap) puts each in its own bucket: several buckets in flight.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, pieces: int = 1) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(numel, dtype=dtype))
+        sizes = [numel // pieces + (1 if i < numel % pieces else 0) for i in range(pieces)]
+        self.pieces = nn.ParameterList(nn.Parameter(torch.zeros(size, dtype=dtype)) for size in sizes)
 
     def forward(self, gradient: torch.Tensor) -> torch.Tensor:
-        return (self.weight * gradient).sum()
+        return (torch.cat(list(self.pieces)) * gradient).sum()
 
 
 def reduced_gradients(
@@ -33,13 +38,15 @@ def reduced_gradients(
     dtype: str,
     state: GradqHookState | None,
     queue: mp.SimpleQueue,
+    pieces: int,
 ) -> None:
     """Run ``len(gradients[rank])`` backward passes; put the reduced gradients on ``queue``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         torch_dtype = getattr(torch, dtype)
-        model = DistributedDataParallel(Probe(gradients[0][0].size, torch_dtype))
+        probe = Probe(gradients[0][0].size, torch_dtype, pieces)
+        model = DistributedDataParallel(probe, bucket_cap_mb=1e-6 if pieces > 1 else 25)
         if hook == "gradq":
             assert state is not None
             model.register_comm_hook(state, gradq_hook)
@@ -51,12 +58,13 @@ def reduced_gradients(
         for step_gradient in gradients[rank]:
             model.zero_grad()
             model(torch.from_numpy(step_gradient).to(torch_dtype)).backward()
-            grad = model.module.weight.grad
-            assert grad is not None and grad.dtype == torch_dtype
-            reduced.append(grad.float().numpy().copy())
+            grads = [piece.grad for piece in probe.pieces]
+            assert all(grad is not None and grad.dtype == torch_dtype for grad in grads)
+            reduced.append(torch.cat([grad.float() for grad in grads if grad is not None]).numpy().copy())
         queue.put((rank, reduced))
         if state is not None:
             state.close()
+        dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     finally:
         dist.destroy_process_group()
 
@@ -68,11 +76,15 @@ def run(
     gradients: list[list[np.ndarray]],
     dtype: str = "float32",
     state: GradqHookState | None = None,
+    pieces: int = 1,
 ) -> dict[int, list[np.ndarray]]:
     """Spawn ``world`` ranks; returns rank -> reduced gradient per step."""
     queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
     ranks = mp.spawn(
-        reduced_gradients, args=(world, init_method, hook, gradients, dtype, state, queue), nprocs=world, join=False
+        reduced_gradients,
+        args=(world, init_method, hook, gradients, dtype, state, queue, pieces),
+        nprocs=world,
+        join=False,
     )
     results: dict[int, list[np.ndarray]] = {}
     while True:

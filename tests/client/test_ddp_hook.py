@@ -57,6 +57,23 @@ def test_allgather_hooks_match_the_seed_on_the_same_inputs(hook: str) -> None:
         np.testing.assert_allclose(results[rank][0], expected, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("hook", ["allgather_pertensor", "allgather_perchannel"])
+def test_allgather_hooks_with_several_buckets_in_flight(hook: str) -> None:
+    # Four buckets per step: every rank must issue the collectives in the same order,
+    # or gloo mixes buckets up (wrong sizes abort, equal sizes average the wrong data).
+    rng = np.random.default_rng(9)
+    pieces, numel, world = 4, 4 * 700, 2
+    gradients = [[straddling(rng, numel, 700) for _ in range(3)] for _ in range(world)]
+    results = ddp_probe.run(world, f"tcp://127.0.0.1:{free_port()}", hook, gradients, pieces=pieces)
+    for step in range(3):
+        exact = np.mean([gradients[rank][step] for rank in range(world)], axis=0)
+        # Each rank's bucket errs by at most half a step: (max - min) / 255 / 2 of the widest bucket.
+        spread = max(float(np.ptp(gradients[rank][step])) for rank in range(world))
+        for rank in range(world):
+            np.testing.assert_array_equal(results[rank][step], results[0][step])
+            assert np.abs(results[rank][step] - exact).max() <= spread / 255 / 2 + 1e-7
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradq_hook_averages_integer_gradients_exactly_over_steps(aggregator: AggregatorServer, world: int) -> None:
     # Each channel spans 255 integers with both ends present: the 8-bit grid holds every value exactly.
