@@ -15,7 +15,7 @@ exit, on SIGTERM/SIGINT/SIGHUP and by ``--cleanup``.
 
 One *scenario* is a (model, world size, link rates) triple. Its ranks start once
 (``ip netns exec gradq-wK python bench/network.py --rank-main ...``), along with
-two aggregators (``python -m gradq.server``) when gradq rows are selected, and
+the aggregator shards (``python -m gradq.server``) when gradq rows are selected, and
 then measure every method in turn on a fresh DDP model: ``--warmup`` untimed
 steps, a barrier, ``--steps`` timed steps (forward + backward + SGD step, one
 thread per rank, synthetic batch of 32), a barrier. Each rank reads its device's
@@ -78,7 +78,7 @@ def _child_environment(**extra: str) -> dict[str, str]:
     return environment
 
 
-class ProcessGroupRunner:
+class NamespaceProcesses:
     """Processes started in namespaces, logged to files; ``stop_all()`` ends every one still running."""
 
     def __init__(self, log_dir: Path) -> None:
@@ -117,12 +117,13 @@ class ProcessGroupRunner:
         self.processes.clear()
 
 
-def _start_aggregators(runner: ProcessGroupRunner, topology: netns.Topology, world_size: int) -> list[str]:
+def _start_aggregators(runner: NamespaceProcesses, topology: netns.Topology, world_size: int) -> list[str]:
     addresses = []
     for shard, host in enumerate(topology.aggregators):
         port_file = runner.log_dir / f"aggregator{shard}.port"
         argv = [sys.executable, "-m", "gradq.server", "--host", host.address, "--port", str(AGGREGATOR_PORT)]
         argv += ["--world-size", str(world_size), "--log-level", "WARNING", "--port-file", str(port_file)]
+        argv += ["--grace", "1"]  # stopped only after the ranks are done: nothing is in flight
         runner.start(f"aggregator{shard}", host, argv, _child_environment())
         addresses.append(f"{host.address}:{AGGREGATOR_PORT}")
     for shard in range(len(topology.aggregators)):
@@ -130,7 +131,7 @@ def _start_aggregators(runner: ProcessGroupRunner, topology: netns.Topology, wor
     return addresses
 
 
-def _wait_for_file(runner: ProcessGroupRunner, path: Path, name: str, timeout_s: float) -> None:
+def _wait_for_file(runner: NamespaceProcesses, path: Path, name: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not (path.exists() and path.read_text().strip()):
         failed = runner.failed()
@@ -140,10 +141,10 @@ def _wait_for_file(runner: ProcessGroupRunner, path: Path, name: str, timeout_s:
         time.sleep(0.1)
 
 
-def _wait_for_ranks(runner: ProcessGroupRunner, ranks: int) -> None:
+def _wait_for_ranks(runner: NamespaceProcesses) -> None:
     deadline = time.monotonic() + SCENARIO_TIMEOUT_S
-    rank_processes = [process for name, process in runner.processes if name.startswith("rank")][:ranks]
-    while any(process.poll() is None for process in rank_processes):
+    ranks = [process for name, process in runner.processes if name.startswith("rank")]
+    while any(process.poll() is None for process in ranks):
         failed = runner.failed()
         if failed is not None:
             raise RuntimeError(f"{failed} failed:\n{runner.log_tail(failed)}")
@@ -162,7 +163,7 @@ def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_
     topology.shape(topology.aggregators, scenario.aggregator_rate)
     log_dir = work_dir / f"scenario{index}"
     log_dir.mkdir()
-    runner = ProcessGroupRunner(log_dir)
+    runner = NamespaceProcesses(log_dir)
     try:
         needs_aggregators = any(METHOD_BY_KEY[key].bits is not None for key in scenario.methods)
         aggregators = _start_aggregators(runner, topology, scenario.world_size) if needs_aggregators else []
@@ -181,7 +182,7 @@ def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_
             )
             argv = [sys.executable, str(Path(__file__).resolve()), "--rank-main", json.dumps(dataclasses.asdict(spec))]
             runner.start(f"rank{rank}", host, argv, _child_environment(GLOO_SOCKET_IFNAME=host.device))
-        _wait_for_ranks(runner, len(workers))
+        _wait_for_ranks(runner)
     finally:
         runner.stop_all()
     per_rank = [_read_results(log_dir / f"rank{rank}.json") for rank in range(len(workers))]
@@ -255,6 +256,10 @@ def _rate(text: str) -> str:
     return text.lower()
 
 
+def _rate_or_none(text: str) -> str | None:
+    return None if text.lower() == "none" else _rate(text)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags; the preset fills in what is not given."""
     parser = argparse.ArgumentParser(
@@ -269,9 +274,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=_positive, help="timed steps per method (default: the preset's)")
     parser.add_argument(
         "--bottleneck-rate",
-        type=_rate,
+        type=_rate_or_none,
         default="100mbit",
-        help="aggregator link rate of the shard scenario (worker links unlimited); needs both gradq8 rows",
+        help="aggregator link rate of the shard scenario (worker links unshaped); 'none' skips it; needs both "
+        "gradq8 rows",
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the report files")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")

@@ -9,6 +9,7 @@ the gRPC completion callback fills the returned future with the averaged bucket.
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,7 @@ class GradqHookState:
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
         "_residuals",  # bucket index -> device residual (error feedback for GPU buckets)
+        "_sender_pool",  # one thread that encodes and sends CPU buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
         "config",  # the wire grid for pushes
         "connect_timeout_s",  # first join's patience
@@ -100,9 +102,15 @@ class GradqHookState:
         self._client: WorkerClient | None = None
         self._mode: str | None = None
         self._residuals: dict[int, torch.Tensor] = {}
+        self._sender_pool: ThreadPoolExecutor | None = None
+
+    def _sender(self) -> ThreadPoolExecutor:
+        if self._sender_pool is None:
+            self._sender_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-sender")
+        return self._sender_pool
 
     def __getstate__(self) -> dict[str, Any]:
-        skipped = ("_client", "_mode", "_residuals", "process_group")
+        skipped = ("_client", "_mode", "_residuals", "_sender_pool", "process_group")
         return {name: getattr(self, name) for name in self.__slots__ if name not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -112,6 +120,7 @@ class GradqHookState:
         self._client = None
         self._mode = None
         self._residuals = {}
+        self._sender_pool = None
 
     @property
     def client(self) -> WorkerClient | None:
@@ -129,6 +138,9 @@ class GradqHookState:
 
     def close(self) -> None:
         """Leave the job and close the channels."""
+        if self._sender_pool is not None:
+            self._sender_pool.shutdown(wait=True)
+            self._sender_pool = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -204,14 +216,6 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     if bucket.is_last():
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
-    if buffer.is_cuda and state.config.rounding is Rounding.NEAREST:
-        try:
-            pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
-        except ValueError:  # NaN/Inf on the device: the aggregator's policy decides
-            pending = client.push_pull_non_finite_async(step, key, buffer.numel())
-    else:
-        host = buffer.detach().float().cpu().numpy()
-        pending = client.push_pull_async(step, key, host)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def deliver(done: Any) -> None:
@@ -222,7 +226,25 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
             return
         result.set_result(torch.from_numpy(np.asarray(mean)).to(buffer.device, buffer.dtype).view_as(buffer))
 
-    pending.add_done_callback(deliver)
+    if buffer.is_cuda and state.config.rounding is Rounding.NEAREST:
+        try:
+            pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
+        except ValueError:  # NaN/Inf on the device: the aggregator's policy decides
+            pending = client.push_pull_non_finite_async(step, key, buffer.numel())
+        pending.add_done_callback(deliver)
+        return result
+    # On the CPU, encoding and building the request move to the state's sender
+    # thread, so backward goes on computing earlier buckets' gradients meanwhile
+    # (the kernels release the GIL). DDP leaves the buffer alone until the future is done.
+    host = buffer.detach().float().cpu().numpy()
+
+    def send() -> None:
+        try:
+            client.push_pull_async(step, key, host).add_done_callback(deliver)
+        except Exception as error:  # handed to DDP, which raises it in backward
+            result.set_exception(error)  # type: ignore[arg-type]
+
+    state._sender().submit(send)
     return result
 
 
