@@ -314,11 +314,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     load_before = os.getloadavg()[0]
     rows = run(args)
-    report = network_report.render(rows, args, os.cpu_count() or 0, (load_before, os.getloadavg()[0]))
+    report = network_report.render(rows, _setup(args, load_before))
     print(report)
     for path in _save(report, rows, args):
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _setup(args: argparse.Namespace, load_before: float) -> str:
+    git = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+    )
+    return (
+        f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; batch 32, "
+        f"SGD, gloo, 1 thread per rank; {os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
+        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
+        f"1-minute load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it "
+        f"(other work on the machine skews the times). gradq at {git.stdout.strip() or 'unknown revision'}."
+    )
 
 
 def _save(report: str, rows: Sequence[Row], args: argparse.Namespace) -> Iterator[Path]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -220,6 +219,8 @@ FOOTNOTES = """\
     built-in path). Window = first bucket ready -> backward returns; tail = last bucket
     ready (backward's compute done) -> backward returns; overlap = (window - tail) /
     window, the share of the communication window during which backward still computed.
+    The seed rows' hook blocks backward until the previous bucket is done (see
+    serial_buckets_hook), which stretches the first part: their overlap overstates.
 [c] tx/rx byte counters of the worker's own veth over the timed steps (between two
     barriers), divided by the steps: payload plus gRPC/HTTP2, gloo and TCP/IP framing.
     Mean over the workers. The veth counts TCP/IP headers once per GSO packet (up to
@@ -325,24 +326,15 @@ def _overlap_lines(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def render(rows: Sequence[Row], args: argparse.Namespace, cpus: int, load: tuple[float, float]) -> str:
+def render(rows: Sequence[Row], setup: str) -> str:
     """The whole report as markdown.
 
     Args:
         rows: every measured row, in run order.
-        args: the run's flags (preset, step counts).
-        cpus: CPU cores of the machine.
-        load: 1-minute load average before and after the run (other work on the machine skews the times).
+        setup: a paragraph on how the run was made (steps, machine, load, gradq revision).
     """
     numel = {row.scenario.model: row.numel for row in rows}
-    lines = [
-        "# DDP step over rate-limited links (bench/network.py)",
-        "",
-        f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; "
-        f"batch 32, SGD, gloo, 1 thread per rank; {cpus} CPU cores shared by all ranks and both aggregators; "
-        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
-        f"1-minute load average {load[0]:.1f} before the run, {load[1]:.1f} after it.",
-    ]
+    lines = ["# DDP step over rate-limited links (bench/network.py)", "", setup]
     for model, parameters in numel.items():
         lines += ["", f"## {model} ({parameters:,} parameters)", "", *_main_table(rows, model)]
     lines += ["", FOOTNOTES]

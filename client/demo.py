@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -28,42 +29,46 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def spawn_aggregator(*flags: str, port: int = 0, timeout_s: float = 60.0, **popen: Any) -> tuple[subprocess.Popen, int]:
+    """Start `python -m gradq.server` on 127.0.0.1 and wait until it serves.
+
+    Args:
+        flags: more `gradq serve` flags.
+        port: port to bind; 0 picks a free one.
+        timeout_s: how long to wait for it to serve.
+        popen: passed to ``subprocess.Popen`` (stderr, env, ...).
+
+    Returns:
+        (the process, the port it serves on).
+
+    Raises:
+        RuntimeError: it exited or did not serve within ``timeout_s``.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        command = [sys.executable, "-m", "gradq.server", "--host", "127.0.0.1", "--port", str(port)]
+        process = subprocess.Popen([*command, "--port-file", str(port_file), *flags], **popen)
+        deadline = time.monotonic() + timeout_s
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"gradq serve {' '.join(flags)} did not start (exit status {process.wait()})")
+            time.sleep(0.05)
+        return process, int(port_file.read_text())
+
+
 @contextlib.contextmanager
 def local_aggregator(world_size: int, *extra: str) -> Iterator[str]:
     """Run `gradq serve` on a free loopback port for the duration; yields its address."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gradq.server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--world-size",
-                str(world_size),
-                "--log-level",
-                "WARNING",
-                *extra,
-            ],
-        )
+    process, port = spawn_aggregator("--world-size", str(world_size), "--log-level", "WARNING", *extra)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
         try:
-            deadline = time.monotonic() + 60
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the local aggregator did not start (exit status {process.poll()})")
-                time.sleep(0.05)
-            yield f"127.0.0.1:{int(port_file.read_text())}"
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def _rank_main(rank: int, spec: TrainSpec, results: mp.SimpleQueue) -> None:

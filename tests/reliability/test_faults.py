@@ -7,7 +7,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,36 +17,15 @@ import pytest
 from fault_workers import exact_mean, gradient, start_workers
 
 from gradq.client import WorkerClient
-from gradq.client.demo import free_port
+from gradq.client.demo import free_port, spawn_aggregator
 from gradq.qcore import QuantConfig, Scheme
 
 ROUND_TIMEOUT_S = 2.0
 
 
-def start_aggregator(port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
-    port_file = tmp_path / f"port-{time.monotonic_ns()}"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradq.server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--port-file",
-            str(port_file),
-            "--round-timeout",
-            str(ROUND_TIMEOUT_S),
-            "--log-level",
-            "WARNING",
-        ],
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        assert process.poll() is None and time.monotonic() < deadline, "aggregator did not start"
-        time.sleep(0.05)
-    return process
+def start_aggregator(port: int) -> subprocess.Popen[bytes]:
+    flags = ("--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING")
+    return spawn_aggregator(*flags, port=port)[0]
 
 
 @pytest.fixture
@@ -75,7 +53,7 @@ def test_killed_worker_is_named_to_survivors_within_deadline_and_server_keeps_se
     tmp_path: Path, aggregators: list[subprocess.Popen[bytes]]
 ) -> None:
     port = free_port()
-    aggregators.append(start_aggregator(port, tmp_path))
+    aggregators.append(start_aggregator(port))
     address = f"127.0.0.1:{port}"
     workers, events = start_workers(address, "three", world=3, steps=6, hang={2: 3})
     try:
@@ -111,7 +89,7 @@ def test_aggregator_killed_and_restarted_mid_training_never_double_counts(
     tmp_path: Path, aggregators: list[subprocess.Popen[bytes]]
 ) -> None:
     port = free_port()
-    aggregators.append(start_aggregator(port, tmp_path))
+    aggregators.append(start_aggregator(port))
     steps = 12
     workers, events = start_workers(f"127.0.0.1:{port}", "restart", world=2, steps=steps, pause_s=0.2)
     try:
@@ -119,7 +97,7 @@ def test_aggregator_killed_and_restarted_mid_training_never_double_counts(
         aggregators[0].kill()  # a crash: no graceful shutdown
         aggregators[0].wait()
         time.sleep(0.5)
-        aggregators.append(start_aggregator(port, tmp_path))
+        aggregators.append(start_aggregator(port))
         rest = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not all(not w.is_alive() for w in workers):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gradq.client.demo import spawn_aggregator
 from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
@@ -23,31 +24,7 @@ from gradq.server.cli import build_parser
 
 
 def start_serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
-    port_file = tmp_path / "port"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradq.server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text().strip():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"gradq serve did not start: {process.communicate()[1]}")
-        time.sleep(0.05)
-    return process, int(port_file.read_text())
+    return spawn_aggregator(*args, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
