@@ -298,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: command-line arguments; None reads ``sys.argv``.
 
     Returns:
-        0 once the report is written (a missed target is reported, not an error); 2 when not root.
+        0 once the report is written (a missed target is reported, not an error); 1 when the run
+        failed; 2 when not root.
     """
     args = parse_args(argv)
     if args.rank_main:
@@ -313,7 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"removed: {', '.join(removed) or 'nothing'}")
         return 0
     load_before = os.getloadavg()[0]
-    rows = run(args)
+    try:
+        rows = run(args)
+    except RuntimeError as error:  # a command, an aggregator or a rank failed; the namespaces are gone
+        print(f"bench/network.py: {error}", file=sys.stderr)
+        return 1
     report = network_report.render(rows, _setup(args, load_before))
     print(report)
     for path in _save(report, rows, args):

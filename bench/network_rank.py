@@ -164,9 +164,17 @@ def serial_buckets_hook(state: SerialBucketsState, bucket: dist.GradBucket) -> t
     """Run ``state.hook`` on ``bucket`` after the previous bucket's future is done.
 
     The seed's hook issues its second all_gather from gloo's completion callback;
-    with two buckets in flight the ranks can issue collectives in different orders
-    (gloo aborts on a size mismatch) or block gloo's worker threads. One bucket at
-    a time keeps every rank's order the same, at the price of overlap.
+    with two buckets in flight the ranks issue collectives in different orders (run
+    bare at world 4, torch 2.13, gloo aborts the ranks with ``gloo::EnforceNotMet``
+    on the first step with two buckets). One bucket at a time keeps every rank's
+    order the same, at the price of overlap: the hook blocks backward meanwhile.
+
+    Args:
+        state: the wrapped hook and the bucket in flight.
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        The wrapped hook's future for ``bucket``.
     """
     if state.in_flight is not None:
         state.in_flight.wait()
@@ -176,7 +184,15 @@ def serial_buckets_hook(state: SerialBucketsState, bucket: dist.GradBucket) -> t
 
 
 def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Hand DDP its own bucket back at once: the step's compute alone."""
+    """Hand DDP its own bucket back at once: the step's compute alone.
+
+    Args:
+        state: unused.
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        A completed future holding the bucket unchanged.
+    """
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -209,7 +225,15 @@ class TimedHookState:
 
 
 def timed_hook(state: TimedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Record when ``bucket`` became ready, then run the wrapped hook on it."""
+    """Record when ``bucket`` became ready, then run the wrapped hook on it.
+
+    Args:
+        state: the wrapped hook, its state and this step's timestamps.
+        bucket: DDP's gradient bucket.
+
+    Returns:
+        The wrapped hook's future for ``bucket``.
+    """
     now = time.perf_counter()
     if state.first_entry is None:
         state.first_entry = now
@@ -239,7 +263,14 @@ class RankSpec:
 
 
 def build_model(layers: Sequence[int]) -> nn.Module:
-    """An MLP with ReLU between the ``layers`` widths; same weights on every rank."""
+    """An MLP with ReLU between the ``layers`` widths; same weights on every rank.
+
+    Args:
+        layers: widths from the input to the logits, e.g. (784, 2048, 2048, 10).
+
+    Returns:
+        The model, seeded with SEED.
+    """
     torch.manual_seed(SEED)
     modules: list[nn.Module] = []
     for fan_in, fan_out in itertools.pairwise(layers):
@@ -296,6 +327,11 @@ def measure_method(
 ) -> MethodResult:
     """Warm up, then time ``spec.steps`` steps of ``method`` and count this rank's wire bytes.
 
+    Args:
+        spec: the scenario as this rank sees it (steps, model, aggregators).
+        method: what to measure; a fresh DDP model is built for it.
+        batches: this rank's synthetic batches, cycled through.
+
     Returns:
         This rank's step times, bucket timings, wire bytes per step and bucket sizes.
     """
@@ -341,7 +377,11 @@ def measure_method(
 
 
 def rank_main(spec: RankSpec) -> None:
-    """Join the gloo group over this namespace's link, measure every method, write the results."""
+    """Join the gloo group over this namespace's link, measure every method, write the results.
+
+    Args:
+        spec: this rank's part of the scenario; results go to ``spec.output`` as JSON.
+    """
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

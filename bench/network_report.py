@@ -369,7 +369,7 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
     panels = list(dict.fromkeys((row.scenario.model, row.scenario.world_size) for row in main))
     if not panels:
         return None
-    figure, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+    figure, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels) + 3, 5), squeeze=False)
     for axis, (model, world) in zip(axes[0], panels, strict=True):
         panel = [row for row in main if row.scenario.model == model and row.scenario.world_size == world]
         for label in dict.fromkeys(row.method.label for row in panel):
@@ -383,7 +383,7 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
         axis.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s)", ylabel="median ms/step")
         axis.set_title(f"{model}, world {world}")
         axis.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize="small")
+    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)

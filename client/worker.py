@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -39,13 +40,57 @@ class AggregationError(RuntimeError):
         self.details = details
 
 
-def shard_for(bucket: int, shards: int) -> int:
-    """The shard that owns ``bucket``: same answer in every process, buckets spread round-robin.
+# A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).
+CHUNK_KEY_STRIDE = 1 << 32
 
-    DDP numbers buckets 0..B-1, so the modulus balances shards exactly where a
-    random hash could pile two large buckets on one shard.
+
+def chunk_key(bucket: int, chunk: int) -> int:
+    """The round key of a bucket's chunk."""
+    return bucket + chunk * CHUNK_KEY_STRIDE
+
+
+def shard_for(key: int, shards: int) -> int:
+    """The shard that owns a round key: the same in every process, spread round-robin.
+
+    Bucket b's chunk i goes to shard (b + i) % shards. DDP numbers buckets
+    0..B-1 and chunks are equal, so this balances shards exactly where a random
+    hash could pile two large buckets on one shard.
     """
-    return bucket % shards
+    bucket, chunk = key % CHUNK_KEY_STRIDE, key // CHUNK_KEY_STRIDE
+    return (bucket + chunk) % shards
+
+
+def _chunk_bounds(numel: int, chunk_elements: int) -> list[tuple[int, int]]:
+    if chunk_elements <= 0 or numel <= chunk_elements:
+        return [(0, numel)]
+    return [(begin, min(begin + chunk_elements, numel)) for begin in range(0, numel, chunk_elements)]
+
+
+def _assemble(
+    parts: list[concurrent.futures.Future[np.ndarray]], pieces: list[tuple[int, int]], shape: tuple[int, ...]
+) -> concurrent.futures.Future[np.ndarray]:
+    """One future for a bucket's chunks: their means in place, or the first failure."""
+    out = np.empty(pieces[-1][1], np.float32)
+    result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def landed(done: concurrent.futures.Future[np.ndarray], begin: int, end: int) -> None:
+        error = done.exception()
+        with lock:
+            if result.done():
+                return
+            if error is not None:
+                result.set_exception(error)
+                return
+            out[begin:end] = done.result()
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                result.set_result(out.reshape(shape))
+
+    for part, (begin, end) in zip(parts, pieces, strict=True):
+        part.add_done_callback(functools.partial(landed, begin=begin, end=end))
+    return result
 
 
 class WorkerClient:
@@ -68,6 +113,8 @@ class WorkerClient:
         max_message_bytes: gRPC send/receive limit.
         security: TLS / mutual TLS / bearer token; None talks plaintext.
         log_every_s: log a one-line ``stats()`` summary at most this often (None: never).
+        chunk_elements: buckets above this many elements travel as several
+            rounds (rounded up to whole channels); 0 never splits.
     """
 
     def __init__(
@@ -85,6 +132,7 @@ class WorkerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: ChannelSecurity | None = None,
         log_every_s: float | None = None,
+        chunk_elements: int = 1 << 20,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -104,6 +152,8 @@ class WorkerClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        channel = self.config.channel_size
+        self.chunk_elements = -(-chunk_elements // channel) * channel if chunk_elements > 0 else 0
         self._error_feedback = ErrorFeedback() if error_feedback else None
         # Per-rank stream so stochastic rounding is independent across ranks.
         self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
@@ -182,26 +232,39 @@ class WorkerClient:
         return self.push_pull_async(step, bucket, array).result()
 
     def push_pull_async(self, step: int, bucket: int, array: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
-        """Like ``push_pull`` but returns at once; the gRPC completion callback fills the future.
+        """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
 
         Quantization happens on the calling thread before this returns, so the
-        caller may reuse ``array`` immediately.
+        caller may reuse ``array`` immediately. A bucket larger than
+        ``chunk_elements`` travels as several rounds, one per chunk, spread over
+        the shards: one chunk's mean comes back while the next is pushed.
         """
         values = np.asarray(array)
+        flat = values.reshape(-1)
+        pieces = _chunk_bounds(flat.size, self.chunk_elements)
+        keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
         try:
-            if self._error_feedback is not None:
-                tensor = self._error_feedback.encode(bucket, values, self.config, rng=self._rng)
-            else:
-                tensor = encode(values, self.config, rng=self._rng)
+            tensors = [self._encode(key, flat[begin:end]) for key, (begin, end) in zip(keys, pieces, strict=True)]
         except ValueError as error:
-            # NaN/Inf (or |x| >= 2**126): tell the aggregator, whose policy rejects
-            # the round or skips it for every rank alike.
+            # NaN/Inf (or |x| >= 2**126): tell the aggregator about every chunk, so its
+            # policy rejects the bucket or skips it, for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
-            return self.push_pull_non_finite_async(step, bucket, values.size, values.shape)
-        encode_seconds = time.perf_counter() - started
-        self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, self._sampled_error(bucket, values, tensor))
-        return self.push_pull_encoded_async(step, bucket, tensor, values.shape, counted=True)
+            sizes = [end - begin for begin, end in pieces]
+            parts = [self.push_pull_non_finite_async(step, key, size) for key, size in zip(keys, sizes, strict=True)]
+            return _assemble(parts, pieces, values.shape)
+        encode_seconds = (time.perf_counter() - started) / len(pieces)
+        parts = []
+        for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
+            error_ratio = self._sampled_error(key, flat[begin:end], tensor)
+            self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
+            parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True))
+        return _assemble(parts, pieces, values.shape)
+
+    def _encode(self, key: int, values: np.ndarray) -> QuantizedArray:
+        if self._error_feedback is not None:
+            return self._error_feedback.encode(key, values, self.config, rng=self._rng)
+        return encode(values, self.config, rng=self._rng)
 
     def _sampled_error(self, bucket: int, values: np.ndarray, tensor: QuantizedArray) -> float | None:
         """||decoded - input|| / ||input||: free with error feedback (the residual), else every 16th push."""

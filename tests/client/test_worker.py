@@ -170,3 +170,21 @@ def test_constructor_rejects_bad_arguments(kwargs: dict[str, object], message: s
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
         WorkerClient(**arguments)  # type: ignore[arg-type]
+
+
+def test_large_buckets_travel_as_chunks_spread_over_the_shards(start: Start) -> None:
+    shards = [start(), start()]
+    addresses = [f"127.0.0.1:{s.port}" for s in shards]
+    config = QuantConfig(scheme=Scheme.FLOAT32, channel_size=512)
+    results: dict[int, np.ndarray] = {}
+
+    def work(rank: int) -> None:
+        with WorkerClient(addresses, "chunks", rank, 2, config, chunk_elements=1000) as client:
+            assert client.chunk_elements == 1024  # rounded up to whole channels
+            results[rank] = client.push_pull(0, 1, np.arange(5000, dtype=np.float32).reshape(50, 100) * (rank + 1))
+
+    run_ranks(2, work)
+    for rank in (0, 1):
+        np.testing.assert_array_equal(results[rank], np.arange(5000, dtype=np.float32).reshape(50, 100) * 1.5)
+    # Bucket 1's chunks 0..4 go to shards (1 + i) % 2: 1, 0, 1, 0, 1.
+    assert [s.table.counters["rounds_completed"] for s in shards] == [2, 3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
@@ -46,19 +47,42 @@ def run_worker(
             time.sleep(pause_s)
 
 
+class Outcomes:
+    """One queue per worker: a worker killed while holding its queue's lock blocks no one else."""
+
+    def __init__(self, queues: list[mp.Queue]) -> None:
+        self.queues = queues
+
+    def get(self, timeout: float) -> tuple[int, int, bool, str, float]:
+        """The next outcome from any worker; raises queue.Empty after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for source in self.queues:
+                try:
+                    return source.get_nowait()  # type: ignore[no-any-return]
+                except queue.Empty:
+                    pass
+            if time.monotonic() > deadline:
+                raise queue.Empty
+            time.sleep(0.01)
+
+    def empty(self) -> bool:
+        return all(source.empty() for source in self.queues)
+
+
 def start_workers(
     address: str, job: str, world: int, steps: int, hang: dict[int, int] | None = None, pause_s: float = 0.0
-) -> tuple[Sequence[BaseProcess], mp.Queue]:
+) -> tuple[Sequence[BaseProcess], Outcomes]:
     context = mp.get_context("spawn")
-    events: mp.Queue = context.Queue()
+    queues: list[mp.Queue] = [context.Queue() for _ in range(world)]
     processes = [
         context.Process(
             target=run_worker,
-            args=(address, job, rank, world, steps, (hang or {}).get(rank, -1), pause_s, events),
+            args=(address, job, rank, world, steps, (hang or {}).get(rank, -1), pause_s, queues[rank]),
             daemon=True,
         )
         for rank in range(world)
     ]
     for process in processes:
         process.start()
-    return processes, events
+    return processes, Outcomes(queues)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_workers import exact_mean, gradient, start_workers
+from fault_workers import Outcomes, exact_mean, gradient, start_workers
 
 from gradq.client import WorkerClient
 from gradq.client.demo import free_port, spawn_aggregator
@@ -41,11 +40,14 @@ def aggregators() -> Iterator[list[subprocess.Popen[bytes]]]:
 Event = tuple[int, int, bool, str, float]
 
 
-def collect(events: mp.Queue, count: int, timeout_s: float) -> list[Event]:
+def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
     found: list[Event] = []
     deadline = time.monotonic() + timeout_s
     while len(found) < count:
-        found.append(events.get(timeout=max(0.1, deadline - time.monotonic())))
+        try:
+            found.append(events.get(max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
     return found
 
 
@@ -102,11 +104,11 @@ def test_aggregator_killed_and_restarted_mid_training_never_double_counts(
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not all(not w.is_alive() for w in workers):
             try:
-                rest.append(events.get(timeout=0.5))
+                rest.append(events.get(0.5))
             except queue.Empty:
                 continue
         while not events.empty():
-            rest.append(events.get())
+            rest.append(events.get(0.1))
     finally:
         for worker in workers:
             worker.kill()
