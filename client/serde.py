@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from gradq.proto.convert import tensor_from_proto, tensor_to_proto
+from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray, decode
 
-__all__ = ["PulledMean", "push_pull_request", "mean_from_proto", "join_request", "leave_request"]
+__all__ = ["PulledMean", "push_pull_request", "mean_from_bytes", "join_request", "leave_request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,20 +41,23 @@ def leave_request(job_id: str, rank: int) -> pb.LeaveRequest:
 
 def push_pull_request(
     job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
-) -> pb.PushPullRequest:
-    """One contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket."""
-    return pb.PushPullRequest(
-        job_id=job_id, step=step, bucket=bucket, rank=rank, tensor=tensor_to_proto(tensor), non_finite=non_finite
-    )
+) -> bytes:
+    """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket."""
+    request = pb.PushPullRequest(job_id=job_id, step=step, bucket=bucket, rank=rank, non_finite=non_finite)
+    return serialize_with_tensor(request, "tensor", tensor)
 
 
-def mean_from_proto(response: pb.PushPullResponse, numel: int) -> PulledMean:
-    """Check and decode the mean the aggregator sent back.
+def mean_from_bytes(data: bytes, numel: int) -> PulledMean:
+    """Parse, check and decode the serialized PushPullResponse the aggregator sent back.
 
     Raises:
-        ValueError: the mean is malformed or has a different element count than was pushed.
+        ValueError: the response is malformed or the mean has a different element count than was pushed.
     """
-    mean = tensor_from_proto(response.mean, "mean")
+    try:
+        response, payload = parse_with_tensor(data, pb.PushPullResponse, "mean")
+    except DecodeError as error:
+        raise ValueError(f"response is not a gradq.v1.PushPullResponse: {error}") from None
+    mean = tensor_from_proto(response.mean, "mean", payload)
     if mean.numel != numel:
         raise ValueError(f"mean.numel={mean.numel} does not match the {numel} elements pushed")
     return PulledMean(

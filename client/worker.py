@@ -17,6 +17,7 @@ import numpy as np
 from gradq.client import serde
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats, StatsRecorder
+from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, decode, encode
@@ -24,9 +25,6 @@ from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, decode, enco
 __all__ = ["WorkerClient", "AggregationError", "shard_for", "DEFAULT_MAX_MESSAGE_BYTES"]
 
 log = logging.getLogger(__name__)
-
-# Same ceiling as the aggregator's default: a 256 MB fp32 bucket must pass.
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
 class AggregationError(RuntimeError):
@@ -39,6 +37,8 @@ class AggregationError(RuntimeError):
         self.code = code
         self.details = details
 
+
+_PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
 
 # A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).
 CHUNK_KEY_STRIDE = 1 << 32
@@ -157,14 +157,14 @@ class WorkerClient:
         self._error_feedback = ErrorFeedback() if error_feedback else None
         # Per-rank stream so stochastic rounding is independent across ranks.
         self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ]
+        keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
+        options = channel_options(max_message_bytes)
         self.security = security or ChannelSecurity()
         self._metadata = self.security.metadata()
         self._channels = [self.security.channel(address, options) for address in self.addresses]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
+        # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
+        self._push_pulls = [channel.unary_unary(_PUSH_PULL_METHOD) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
         self._stats = StatsRecorder(log_every_s)
         self._pushes_since_sample = 0
@@ -267,16 +267,16 @@ class WorkerClient:
         return encode(values, self.config, rng=self._rng)
 
     def _sampled_error(self, bucket: int, values: np.ndarray, tensor: QuantizedArray) -> float | None:
-        """||decoded - input|| / ||input||: free with error feedback (the residual), else every 16th push."""
-        norm = float(np.linalg.norm(values))
-        if norm == 0.0:
-            return None
-        if self._error_feedback is not None:
-            residual = self._error_feedback.residual(bucket)
-            return float(np.linalg.norm(residual)) / norm if residual is not None else None
+        """||decoded - input|| / ||input|| of every 16th push (norms cost as much as encoding)."""
         self._pushes_since_sample = (self._pushes_since_sample + 1) % 16
         if self._pushes_since_sample != 1:
             return None
+        norm = float(np.linalg.norm(values))
+        if norm == 0.0:
+            return None
+        if self._error_feedback is not None:  # the residual is exactly what was lost
+            residual = self._error_feedback.residual(bucket)
+            return float(np.linalg.norm(residual)) / norm if residual is not None else None
         return float(np.linalg.norm(decode(tensor) - values.reshape(-1))) / norm
 
     def stats(self) -> ClientStats:
@@ -331,15 +331,13 @@ class WorkerClient:
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         flat_shape = (tensor.numel,) if shape is None else shape
-        pending = _PendingPush(shard, request, flat_shape, tensor.numel, concurrent.futures.Future())
+        pending = _PendingPush(shard, step, request, flat_shape, tensor.numel, concurrent.futures.Future())
         self._send(pending)
         return pending.result
 
     def _send(self, pending: _PendingPush) -> None:
         pending.sent_at = time.perf_counter()
-        call = self._stubs[pending.shard].PushPull.future(
-            pending.request, timeout=self.timeout_s, metadata=self._metadata
-        )
+        call = self._push_pulls[pending.shard].future(pending.request, timeout=self.timeout_s, metadata=self._metadata)
         call.add_done_callback(lambda done: self._on_reply(done, pending))
 
     def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:
@@ -348,7 +346,7 @@ class WorkerClient:
         if code == grpc.StatusCode.OK:
             received_at = time.perf_counter()
             try:
-                mean = serde.mean_from_proto(call.result(), pending.numel)
+                mean = serde.mean_from_bytes(call.result(), pending.numel)
             except ValueError as error:
                 pending.result.set_exception(AggregationError(address, None, str(error)))
                 return
@@ -360,9 +358,7 @@ class WorkerClient:
                 mean.partial,
             )
             if mean.skipped:
-                log.warning(
-                    "aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.request.step
-                )
+                log.warning("aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.step)
             if mean.partial:
                 log.warning(
                     "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
@@ -396,7 +392,8 @@ class _PendingPush:
     """A push in flight: everything a retry needs to resend it unchanged."""
 
     shard: int
-    request: pb.PushPullRequest
+    step: int
+    request: bytes  # the serialized PushPullRequest
     shape: tuple[int, ...]
     numel: int
     result: concurrent.futures.Future[np.ndarray]

@@ -6,12 +6,27 @@ tensor is rejected with the same message whichever side receives it.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
+from google.protobuf.message import Message
 
 from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.wire import join_bulk, split_bulk
 from gradq.qcore import QuantizedArray, Scheme
 
-__all__ = ["tensor_to_proto", "tensor_from_proto", "ALLOWED_DTYPES"]
+__all__ = [
+    "ALLOWED_DTYPES",
+    "parse_with_tensor",
+    "serialize_with_tensor",
+    "tensor_from_proto",
+    "tensor_header",
+    "tensor_to_proto",
+]
+
+M = TypeVar("M", bound=Message)
+
+_PAYLOAD_FIELD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
 
 # Element types a sender may declare; the receiver casts the mean back to it.
 ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
@@ -19,8 +34,8 @@ ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 _FLOAT_BITS = {Scheme.FLOAT32: 32, Scheme.FLOAT16: 16}
 
 
-def tensor_to_proto(q: QuantizedArray) -> pb.QuantizedTensor:
-    """Wrap a QuantizedArray in its wire message (one copy of each array)."""
+def tensor_header(q: QuantizedArray) -> pb.QuantizedTensor:
+    """A QuantizedArray's wire message without its payload (grid, qparams, dtype)."""
     return pb.QuantizedTensor(
         scheme=pb.Scheme.Value(f"SCHEME_{q.scheme.name}"),
         bits=q.bits,
@@ -28,9 +43,45 @@ def tensor_to_proto(q: QuantizedArray) -> pb.QuantizedTensor:
         channel_size=q.channel_size,
         scale=q.scale.astype("<f4", copy=False).tobytes(),
         zero_point=q.zero_point.astype("<i4", copy=False).tobytes(),
-        payload=q.payload.tobytes(),
         dtype=q.dtype,
     )
+
+
+def tensor_to_proto(q: QuantizedArray) -> pb.QuantizedTensor:
+    """Wrap a QuantizedArray in its wire message (one copy of each array)."""
+    message = tensor_header(q)
+    message.payload = q.payload.tobytes()
+    return message
+
+
+def serialize_with_tensor(outer: Message, field: str, q: QuantizedArray) -> bytes:
+    """Serialize ``outer`` with ``q`` in its QuantizedTensor field ``field``, copying the payload once.
+
+    The bytes are a valid encoding of the message: protobuf in any language reads them.
+    """
+    number = outer.DESCRIPTOR.fields_by_name[field].number
+    header = tensor_header(q).SerializeToString()
+    payload = memoryview(np.ascontiguousarray(q.payload).reshape(-1))
+    return join_bulk(outer.SerializeToString(), number, header, _PAYLOAD_FIELD, payload)
+
+
+def parse_with_tensor(data: bytes, message_type: type[M], field: str) -> tuple[M, memoryview | bytes]:
+    """Parse ``data`` as ``message_type``, returning its tensor field's payload apart, uncopied.
+
+    Returns:
+        (the message, with ``field``'s payload empty when it was sliced out;
+        the payload: a view into ``data``, or the parsed field's bytes when
+        the message was parsed whole).
+
+    Raises:
+        google.protobuf.message.DecodeError: ``data`` is not a ``message_type``.
+    """
+    split = split_bulk(data, message_type.DESCRIPTOR.fields_by_name[field].number, _PAYLOAD_FIELD)
+    if split is None:  # an encoding the fast path does not take: protobuf parses it all
+        message = message_type.FromString(data)
+        return message, getattr(message, field).payload
+    stripped, payload = split
+    return message_type.FromString(stripped), payload
 
 
 def _expected_channels(scheme: Scheme, numel: int, channel_size: int) -> int:
@@ -41,12 +92,16 @@ def _expected_channels(scheme: Scheme, numel: int, channel_size: int) -> int:
     return -(-numel // channel_size)
 
 
-def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> QuantizedArray:
+def tensor_from_proto(
+    message: pb.QuantizedTensor, field: str = "tensor", payload: memoryview | bytes | None = None
+) -> QuantizedArray:
     """Check a wire tensor field by field and view it as a QuantizedArray (no payload copy).
 
     Args:
         message: the received QuantizedTensor.
         field: the message's name in its parent, used in error messages.
+        payload: the payload when it was parsed apart (``parse_with_tensor``);
+            None reads ``message.payload``.
 
     Returns:
         The QuantizedArray; its arrays are read-only views of the message bytes.
@@ -72,7 +127,9 @@ def tensor_from_proto(message: pb.QuantizedTensor, field: str = "tensor") -> Qua
     elif channel_size != max(numel, 1) and channel_size != numel:
         raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected numel={numel} for {scheme.name}")
     # Each access to a bytes field copies it out of the message: read each once.
-    payload, scale_bytes, zero_point_bytes = message.payload, message.scale, message.zero_point
+    scale_bytes, zero_point_bytes = message.scale, message.zero_point
+    if payload is None:
+        payload = message.payload
     payload_bytes = (numel * bits + 7) // 8
     if len(payload) != payload_bytes:
         raise ValueError(

@@ -59,6 +59,7 @@ class _Round:
         "bucket",
         "contributors",
         "deadline",
+        "decoded",
         "done",
         "error",
         "lock",
@@ -79,7 +80,9 @@ class _Round:
         self.deadline = deadline
         self.lock = threading.Lock()
         self.done = threading.Event()
-        self.accumulator: np.ndarray | None = np.zeros(pushed.numel, np.float32)
+        # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
+        self.accumulator: np.ndarray | None = np.empty(pushed.numel, np.float32)
+        self.decoded = 0  # contributions in the accumulator
         self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
         # For metrics: when the round opened, when each rank arrived, bytes in, error out.
         self.opened_at = time.monotonic()
@@ -269,7 +272,11 @@ class RoundTable:
             if not rnd.done.is_set() and rank not in rnd.contributors:
                 assert rnd.accumulator is not None
                 if not non_finite:
-                    decode_accumulate(tensor, rnd.accumulator)
+                    if rnd.decoded:
+                        decode_accumulate(tensor, rnd.accumulator)
+                    else:
+                        decode(tensor, out=rnd.accumulator)
+                    rnd.decoded += 1
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
@@ -304,7 +311,7 @@ class RoundTable:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
         mean = rnd.accumulator
         assert mean is not None
-        if rnd.non_finite:
+        if rnd.non_finite or not rnd.decoded:
             mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job_id), sorted(rnd.non_finite))
         mean /= np.float32(len(rnd.contributors))

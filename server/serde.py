@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from gradq.proto.convert import tensor_from_proto, tensor_to_proto
+from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
 
-__all__ = ["Contribution", "contribution_from_bytes", "contribution_from_proto", "result_to_proto", "join_to_proto"]
+__all__ = ["Contribution", "contribution_from_bytes", "contribution_from_proto", "result_to_bytes", "join_to_proto"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +30,8 @@ class Contribution:
     non_finite: bool = False
 
 
-def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
-    """Validate a PushPullRequest field by field.
+def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | bytes | None = None) -> Contribution:
+    """Validate a PushPullRequest field by field (``payload``: its tensor's payload, when parsed apart).
 
     Raises:
         InvalidArgumentError: naming the field, its value and what was expected.
@@ -39,34 +39,34 @@ def contribution_from_proto(request: pb.PushPullRequest) -> Contribution:
     if not request.HasField("tensor"):
         raise InvalidArgumentError("tensor is missing; expected a QuantizedTensor with the bucket")
     try:
-        tensor = tensor_from_proto(request.tensor)
+        tensor = tensor_from_proto(request.tensor, payload=payload)
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from None
     return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor, request.non_finite)
 
 
 def contribution_from_bytes(data: bytes) -> Contribution:
-    """Parse and validate a serialized PushPullRequest.
+    """Parse and validate a serialized PushPullRequest; the payload stays a view into ``data``.
 
     Raises:
         InvalidArgumentError: the bytes are not a PushPullRequest, or a field is invalid.
     """
     try:
-        request = pb.PushPullRequest.FromString(data)
+        request, payload = parse_with_tensor(data, pb.PushPullRequest, "tensor")
     except DecodeError as error:
         raise InvalidArgumentError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
-    return contribution_from_proto(request)
+    return contribution_from_proto(request, payload)
 
 
-def result_to_proto(result: RoundResult) -> pb.PushPullResponse:
-    """The response every waiter of a finished round receives."""
-    return pb.PushPullResponse(
-        mean=tensor_to_proto(result.mean),
+def result_to_bytes(result: RoundResult) -> bytes:
+    """The serialized PushPullResponse every waiter of a finished round receives."""
+    response = pb.PushPullResponse(
         contributors=len(result.contributors),
         partial=result.partial,
         missing_ranks=result.missing,
         skipped=result.skipped,
     )
+    return serialize_with_tensor(response, "mean", result.mean)
 
 
 def join_to_proto(world_size: int, joined: list[int], server_id: str) -> pb.JoinResponse:

@@ -80,7 +80,7 @@ class AggregatorServicer:
 
 def package_result(result: RoundResult) -> bytes:
     """The serialized PushPullResponse for a finished round (the table calls this once)."""
-    return serde.result_to_proto(result).SerializeToString()
+    return serde.result_to_bytes(result)
 
 
 def _as_bytes(response: bytes) -> bytes:

@@ -1,0 +1,74 @@
+"""Transport settings every gradq gRPC endpoint shares: message limits and buffer reuse.
+
+Why the allocator is tuned here: a bucket crosses gRPC-Python as several
+multi-megabyte buffers per call (the serialized message, core's slices, the
+bytes handed back to Python). glibc serves each from a fresh ``mmap`` (or
+trims a thread arena with ``madvise``) and the kernel zero-fills its pages on
+first touch, so every call pays page faults and page clearing for memory it
+freed a moment ago. Measured on a 5.8 MB echo over loopback (2 cores), the
+client spent 12.1 ms of CPU per call with glibc's defaults and 5.6 ms with
+large blocks kept in the heap: page faults, not copies, were half the cost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "keep_large_buffers"]
+
+log = logging.getLogger(__name__)
+
+# gRPC refuses messages over 4 MiB by default; a 256 MB fp32 bucket returned
+# as fp32 needs ~256 MiB, so 1 GiB leaves room on both ends.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+# Free memory a heap keeps before returning it to the kernel.
+_TRIM_THRESHOLD = 256 << 20
+# The user's own MALLOC_* settings win over ours.
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+_tuned: bool | None = None
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC options for a gradq channel or server: message limits both ways."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def keep_large_buffers() -> bool:
+    """Let glibc reuse freed multi-megabyte blocks instead of unmapping them (once per process).
+
+    Serves blocks up to 32 MiB from the heap and keeps up to 256 MiB of free
+    heap, so a process's resident memory stays near its peak between steps.
+    Does nothing off glibc or when the user set MALLOC_MMAP_THRESHOLD_ or
+    MALLOC_TRIM_THRESHOLD_.
+
+    Returns:
+        True when the settings are in effect (set now or earlier).
+    """
+    global _tuned
+    if _tuned is not None:
+        return _tuned
+    _tuned = False
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in _USER_SETTINGS):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    log.debug("large gRPC buffers are %s", "kept in the heap" if _tuned else "left to glibc's defaults")
+    return _tuned
