@@ -61,7 +61,7 @@ def serialize_with_tensor(outer: Message, field: str, q: QuantizedArray) -> byte
     """
     number = outer.DESCRIPTOR.fields_by_name[field].number
     header = tensor_header(q).SerializeToString()
-    payload = memoryview(np.ascontiguousarray(q.payload).reshape(-1))
+    payload = np.ascontiguousarray(q.payload).reshape(-1).data
     return join_bulk(outer.SerializeToString(), number, header, _PAYLOAD_FIELD, payload)
 
 
