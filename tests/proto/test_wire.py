@@ -1,0 +1,81 @@
+"""The payload fast path writes and reads exactly what protobuf itself would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_to_proto
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.wire import split_bulk
+from gradq.qcore import QuantConfig, Scheme, encode
+
+PAYLOAD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
+TENSOR = pb.PushPullRequest.DESCRIPTOR.fields_by_name["tensor"].number
+
+requests = st.builds(
+    dict,
+    job_id=st.text(max_size=40),
+    step=st.integers(0, 2**64 - 1),
+    bucket=st.integers(0, 2**64 - 1),
+    rank=st.integers(0, 2**32 - 1),
+    non_finite=st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fields=requests,
+    numel=st.integers(0, 5000),
+    bits=st.integers(1, 8),
+    scheme=st.sampled_from([Scheme.PER_TENSOR_AFFINE, Scheme.PER_CHANNEL_AFFINE, Scheme.FLOAT32]),
+)
+def test_spliced_request_is_the_protobuf_message(fields: dict, numel: int, bits: int, scheme: Scheme) -> None:
+    config = QuantConfig(scheme=scheme, bits=bits, channel_size=64)
+    tensor = encode(np.random.default_rng(numel).normal(size=numel).astype(np.float32), config)
+    spliced = serialize_with_tensor(pb.PushPullRequest(**fields), "tensor", tensor)
+    expected = pb.PushPullRequest(**fields, tensor=tensor_to_proto(tensor))
+    assert pb.PushPullRequest.FromString(spliced) == expected
+    # Read back by the fast path and from protobuf's own canonical bytes alike.
+    for data in (spliced, expected.SerializeToString()):
+        message, payload = parse_with_tensor(data, pb.PushPullRequest, "tensor")
+        assert bytes(payload) == expected.tensor.payload
+        message.tensor.payload = bytes(payload)
+        assert message == expected
+
+
+def test_payload_is_a_view_not_a_copy() -> None:
+    tensor = encode(np.ones(1 << 16, np.float32), QuantConfig(bits=8))
+    data = serialize_with_tensor(pb.PushPullRequest(job_id="j"), "tensor", tensor)
+    split = split_bulk(data, TENSOR, PAYLOAD)
+    assert split is not None
+    stripped, payload = split
+    assert isinstance(payload, memoryview) and payload.obj is data
+    assert len(stripped) < 2000 and payload.nbytes == 1 << 16  # qparams of 128 channels stay
+
+
+def test_repeated_tensor_field_falls_back_to_protobuf_merge() -> None:
+    # Two occurrences of a message field merge; the fast path leaves that to protobuf.
+    first = pb.PushPullRequest(tensor=pb.QuantizedTensor(payload=b"ab", numel=2)).SerializeToString()
+    second = pb.PushPullRequest(tensor=pb.QuantizedTensor(bits=8)).SerializeToString()
+    assert split_bulk(first + second, TENSOR, PAYLOAD) is None
+    message, payload = parse_with_tensor(first + second, pb.PushPullRequest, "tensor")
+    assert (payload, message.tensor.numel, message.tensor.bits) == (b"ab", 2, 8)
+
+
+def test_wrong_wire_type_for_the_payload_falls_back() -> None:
+    nested = bytes([PAYLOAD << 3 | 0, 5])  # payload sent as a varint: not a bytes field
+    data = bytes([TENSOR << 3 | 2, len(nested)]) + nested
+    assert split_bulk(data, TENSOR, PAYLOAD) is None
+
+
+@pytest.mark.parametrize("cut", [1, 5, 40])
+def test_truncated_message_gets_protobufs_error(cut: int) -> None:
+    tensor = encode(np.ones(64, np.float32), QuantConfig(bits=8))
+    data = serialize_with_tensor(pb.PushPullRequest(job_id="j"), "tensor", tensor)
+    assert split_bulk(data[:-cut], TENSOR, PAYLOAD) is None
+    with pytest.raises(DecodeError):
+        parse_with_tensor(data[:-cut], pb.PushPullRequest, "tensor")
