@@ -235,12 +235,13 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         return result
     # On the CPU, encoding and building the request move to the state's sender
     # thread, so backward goes on computing earlier buckets' gradients meanwhile
-    # (the kernels release the GIL). DDP leaves the buffer alone until the future is done.
+    # (the kernels release the GIL). DDP leaves the buffer alone until the future is
+    # done, so an fp32 bucket's mean is decoded straight into it, as allreduce would.
     host = buffer.detach().float().cpu().numpy()
 
     def send() -> None:
         try:
-            client.push_pull_async(step, key, host).add_done_callback(deliver)
+            client.push_pull_async(step, key, host, out=host).add_done_callback(deliver)
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]
 

@@ -47,8 +47,8 @@ def push_pull_request(
     return serialize_with_tensor(request, "tensor", tensor)
 
 
-def mean_from_bytes(data: bytes, numel: int) -> PulledMean:
-    """Parse, check and decode the serialized PushPullResponse the aggregator sent back.
+def mean_from_bytes(data: bytes, out: np.ndarray) -> PulledMean:
+    """Parse, check and decode into ``out`` (flat float32) the PushPullResponse the aggregator sent back.
 
     Raises:
         ValueError: the response is malformed or the mean has a different element count than was pushed.
@@ -58,10 +58,10 @@ def mean_from_bytes(data: bytes, numel: int) -> PulledMean:
     except DecodeError as error:
         raise ValueError(f"response is not a gradq.v1.PushPullResponse: {error}") from None
     mean = tensor_from_proto(response.mean, "mean", payload)
-    if mean.numel != numel:
-        raise ValueError(f"mean.numel={mean.numel} does not match the {numel} elements pushed")
+    if mean.numel != out.size:
+        raise ValueError(f"mean.numel={mean.numel} does not match the {out.size} elements pushed")
     return PulledMean(
-        values=decode(mean),
+        values=decode(mean, out=out),
         contributors=response.contributors,
         partial=response.partial,
         missing_ranks=tuple(response.missing_ranks),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
@@ -67,15 +66,14 @@ def _chunk_bounds(numel: int, chunk_elements: int) -> list[tuple[int, int]]:
 
 
 def _assemble(
-    parts: list[concurrent.futures.Future[np.ndarray]], pieces: list[tuple[int, int]], shape: tuple[int, ...]
+    parts: list[concurrent.futures.Future[np.ndarray]], out: np.ndarray, shape: tuple[int, ...]
 ) -> concurrent.futures.Future[np.ndarray]:
-    """One future for a bucket's chunks: their means in place, or the first failure."""
-    out = np.empty(pieces[-1][1], np.float32)
+    """One future for a bucket's chunks, which decode into their slices of ``out``: ``out``, or the first failure."""
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
     remaining = [len(parts)]
     lock = threading.Lock()
 
-    def landed(done: concurrent.futures.Future[np.ndarray], begin: int, end: int) -> None:
+    def landed(done: concurrent.futures.Future[np.ndarray]) -> None:
         error = done.exception()
         with lock:
             if result.done():
@@ -83,14 +81,25 @@ def _assemble(
             if error is not None:
                 result.set_exception(error)
                 return
-            out[begin:end] = done.result()
             remaining[0] -= 1
             if remaining[0] == 0:
                 result.set_result(out.reshape(shape))
 
-    for part, (begin, end) in zip(parts, pieces, strict=True):
-        part.add_done_callback(functools.partial(landed, begin=begin, end=end))
+    for part in parts:
+        part.add_done_callback(landed)
     return result
+
+
+def _output_buffer(out: np.ndarray | None, numel: int) -> np.ndarray:
+    """``out`` checked as a flat float32 view of ``numel`` elements, or a new one."""
+    if out is None:
+        return np.empty(numel, np.float32)
+    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}; "
+            f"expected a contiguous float32 array of {numel} elements"
+        )
+    return out.reshape(-1)
 
 
 class WorkerClient:
@@ -231,16 +240,23 @@ class WorkerClient:
         """
         return self.push_pull_async(step, bucket, array).result()
 
-    def push_pull_async(self, step: int, bucket: int, array: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
+    def push_pull_async(
+        self, step: int, bucket: int, array: np.ndarray, out: np.ndarray | None = None
+    ) -> concurrent.futures.Future[np.ndarray]:
         """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
 
         Quantization happens on the calling thread before this returns, so the
         caller may reuse ``array`` immediately. A bucket larger than
         ``chunk_elements`` travels as several rounds, one per chunk, spread over
         the shards: one chunk's mean comes back while the next is pushed.
+
+        Args:
+            out: a contiguous float32 array of ``array.size`` elements to decode
+                the mean into (``array`` itself is fine); None allocates one.
         """
         values = np.asarray(array)
         flat = values.reshape(-1)
+        out = _output_buffer(out, flat.size)
         pieces = _chunk_bounds(flat.size, self.chunk_elements)
         keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
@@ -250,16 +266,18 @@ class WorkerClient:
             # NaN/Inf (or |x| >= 2**126): tell the aggregator about every chunk, so its
             # policy rejects the bucket or skips it, for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
-            sizes = [end - begin for begin, end in pieces]
-            parts = [self.push_pull_non_finite_async(step, key, size) for key, size in zip(keys, sizes, strict=True)]
-            return _assemble(parts, pieces, values.shape)
+            parts = [
+                self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end])
+                for key, (begin, end) in zip(keys, pieces, strict=True)
+            ]
+            return _assemble(parts, out, values.shape)
         encode_seconds = (time.perf_counter() - started) / len(pieces)
         parts = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
             error_ratio = self._sampled_error(key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
-            parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True))
-        return _assemble(parts, pieces, values.shape)
+            parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
+        return _assemble(parts, out, values.shape)
 
     def _encode(self, key: int, values: np.ndarray) -> QuantizedArray:
         if self._error_feedback is not None:
@@ -294,7 +312,12 @@ class WorkerClient:
         return self._stats.snapshot().bytes_received
 
     def push_pull_non_finite_async(
-        self, step: int, bucket: int, numel: int, shape: tuple[int, ...] | None = None
+        self,
+        step: int,
+        bucket: int,
+        numel: int,
+        shape: tuple[int, ...] | None = None,
+        out: np.ndarray | None = None,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Report that this rank's bucket holds NaN/Inf; the future gets zeros if the round is skipped.
 
@@ -302,7 +325,7 @@ class WorkerClient:
             AggregationError: INVALID_ARGUMENT under the aggregator's default reject policy.
         """
         placeholder = encode(np.zeros(numel, np.float32), self.config)
-        return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True)
+        return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True, out=out)
 
     def push_pull_encoded_async(
         self,
@@ -313,6 +336,7 @@ class WorkerClient:
         *,
         non_finite: bool = False,
         counted: bool = False,
+        out: np.ndarray | None = None,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
 
@@ -323,6 +347,8 @@ class WorkerClient:
             shape: shape of the returned mean; flat when None.
             non_finite: ``tensor`` is a placeholder for a NaN/Inf bucket.
             counted: the caller already recorded this push in ``stats()``.
+            out: contiguous float32 array of ``tensor.numel`` elements to decode
+                the mean into; None allocates one.
         """
         shard = shard_for(bucket, len(self._stubs))
         if not self._joined[shard]:
@@ -331,7 +357,8 @@ class WorkerClient:
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         flat_shape = (tensor.numel,) if shape is None else shape
-        pending = _PendingPush(shard, step, request, flat_shape, tensor.numel, concurrent.futures.Future())
+        out = _output_buffer(out, tensor.numel)
+        pending = _PendingPush(shard, step, request, flat_shape, out, concurrent.futures.Future())
         self._send(pending)
         return pending.result
 
@@ -346,7 +373,7 @@ class WorkerClient:
         if code == grpc.StatusCode.OK:
             received_at = time.perf_counter()
             try:
-                mean = serde.mean_from_bytes(call.result(), pending.numel)
+                mean = serde.mean_from_bytes(call.result(), pending.out)
             except ValueError as error:
                 pending.result.set_exception(AggregationError(address, None, str(error)))
                 return
@@ -395,7 +422,7 @@ class _PendingPush:
     step: int
     request: bytes  # the serialized PushPullRequest
     shape: tuple[int, ...]
-    numel: int
+    out: np.ndarray  # flat float32: the mean is decoded into it
     result: concurrent.futures.Future[np.ndarray]
     attempt: int = 0
     sent_at: float = 0.0  # perf_counter when the latest attempt went out
