@@ -59,10 +59,14 @@ def shard_for(key: int, shards: int) -> int:
     return (bucket + chunk) % shards
 
 
-def _chunk_bounds(numel: int, chunk_elements: int) -> list[tuple[int, int]]:
+def _chunk_bounds(numel: int, chunk_elements: int, channel_size: int) -> list[tuple[int, int]]:
+    """Fewest chunks of at most ``chunk_elements``, equal up to whole channels (no small tail round)."""
     if chunk_elements <= 0 or numel <= chunk_elements:
         return [(0, numel)]
-    return [(begin, min(begin + chunk_elements, numel)) for begin in range(0, numel, chunk_elements)]
+    count = -(-numel // chunk_elements)
+    size = -(-numel // count)
+    size = -(-size // channel_size) * channel_size  # <= chunk_elements, itself whole channels
+    return [(begin, min(begin + size, numel)) for begin in range(0, numel, size)]
 
 
 def _assemble(
@@ -141,7 +145,7 @@ class WorkerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: ChannelSecurity | None = None,
         log_every_s: float | None = None,
-        chunk_elements: int = 1 << 20,
+        chunk_elements: int = 1 << 22,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -257,7 +261,7 @@ class WorkerClient:
         values = np.asarray(array)
         flat = values.reshape(-1)
         out = _output_buffer(out, flat.size)
-        pieces = _chunk_bounds(flat.size, self.chunk_elements)
+        pieces = _chunk_bounds(flat.size, self.chunk_elements, self.config.channel_size)
         keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
         try:

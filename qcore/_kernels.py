@@ -209,8 +209,8 @@ def unpack(payload, bits, levels):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def dequantize_into(payload, bits, channel_size, scales, zero_points, out, accumulate):  # type: ignore[no-untyped-def]
-    """out[i] (+)= scale_c * (level_i - zero_point_c).
+def dequantize_into(payload, bits, channel_size, scales, zero_points, out, accumulate, divisor):  # type: ignore[no-untyped-def]
+    """out[i] (+)= scale_c * (level_i - zero_point_c); an accumulated sum is then / divisor unless it is 1.
 
     Below 8 bits the payload is first unpacked to one byte per level: two simple
     vectorised passes beat one pass with per-element bit arithmetic.
@@ -228,7 +228,10 @@ def dequantize_into(payload, bits, channel_size, scales, zero_points, out, accum
         # 0-based slices vectorise, see quantize_channel.
         src = levels[start:stop]
         dest = out[start:stop]
-        if accumulate:
+        if accumulate and divisor != 1:
+            for i in range(dest.size):
+                dest[i] = (dest[i] + s * (np.float32(src[i]) - z)) / divisor
+        elif accumulate:
             for i in range(dest.size):
                 dest[i] += s * (np.float32(src[i]) - z)
         else:

@@ -198,20 +198,23 @@ def decode(q: QuantizedArray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def decode_accumulate(q: QuantizedArray, out: np.ndarray) -> None:
+def decode_accumulate(q: QuantizedArray, out: np.ndarray, *, divide_by: int = 1) -> None:
     """Add the dequantized values of ``q`` into ``out`` in place (the aggregator's hot path).
 
     Args:
         q: the encoded array.
         out: contiguous float32 accumulator of ``q.numel`` elements.
+        divide_by: then divide by this in the same pass: ``out = (out + x) / divide_by``,
+            the same float32 arithmetic as adding and dividing apart (the last
+            contribution turns the sum into the mean without another pass).
 
     Raises:
         ValueError: if ``out`` is not a contiguous float32 array of ``q.numel`` elements.
     """
-    _dequantize(q, out, accumulate=True)
+    _dequantize(q, out, accumulate=True, divide_by=divide_by)
 
 
-def _dequantize(q: QuantizedArray, out: np.ndarray, accumulate: bool) -> None:
+def _dequantize(q: QuantizedArray, out: np.ndarray, accumulate: bool, divide_by: int = 1) -> None:
     if out.dtype != np.float32 or out.size != q.numel or not out.flags.c_contiguous:
         raise ValueError(
             f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}; "
@@ -224,10 +227,13 @@ def _dequantize(q: QuantizedArray, out: np.ndarray, accumulate: bool) -> None:
             flat_out += values
         else:
             flat_out[:] = values
+        if divide_by != 1:
+            flat_out /= np.float32(divide_by)
         return
     if q.numel == 0:
         return
-    _kernels().dequantize_into(q.payload, q.bits, q.channel_size, q.scale, q.zero_point, flat_out, accumulate)
+    divisor = np.float32(divide_by)
+    _kernels().dequantize_into(q.payload, q.bits, q.channel_size, q.scale, q.zero_point, flat_out, accumulate, divisor)
 
 
 def fake_quantize(x: np.ndarray, config: QuantConfig, *, rng: np.random.Generator | None = None) -> np.ndarray:

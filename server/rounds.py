@@ -56,6 +56,7 @@ class _Round:
     __slots__ = (
         "accumulator",
         "arrivals",
+        "averaged",
         "bucket",
         "contributors",
         "deadline",
@@ -83,6 +84,7 @@ class _Round:
         # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
         self.accumulator: np.ndarray | None = np.empty(pushed.numel, np.float32)
         self.decoded = 0  # contributions in the accumulator
+        self.averaged = False  # the last contribution already divided the sum by the ranks
         self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
         # For metrics: when the round opened, when each rank arrived, bytes in, error out.
         self.opened_at = time.monotonic()
@@ -272,11 +274,14 @@ class RoundTable:
             if not rnd.done.is_set() and rank not in rnd.contributors:
                 assert rnd.accumulator is not None
                 if not non_finite:
+                    # The round's last rank turns the sum into the mean in the same pass.
+                    last = len(rnd.contributors) + 1 == job.world_size and not rnd.non_finite
                     if rnd.decoded:
-                        decode_accumulate(tensor, rnd.accumulator)
+                        decode_accumulate(tensor, rnd.accumulator, divide_by=job.world_size if last else 1)
                     else:
                         decode(tensor, out=rnd.accumulator)
                     rnd.decoded += 1
+                    rnd.averaged = last
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
@@ -314,7 +319,8 @@ class RoundTable:
         if rnd.non_finite or not rnd.decoded:
             mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job_id), sorted(rnd.non_finite))
-        mean /= np.float32(len(rnd.contributors))
+        if not rnd.averaged:
+            mean /= np.float32(len(rnd.contributors))
         config = return_config_for(self.policy, rnd.pushed)
         try:
             if self.policy.server_error_feedback:

@@ -211,6 +211,25 @@ def test_decode_accumulate_adds_exactly_the_decoded_values(x: np.ndarray, config
     np.testing.assert_array_equal(accumulator, expected)
 
 
+@SETTINGS
+@given(
+    x=gradients(),
+    config=quantized_configs() | st.just(QuantConfig(Scheme.FLOAT32)),
+    ranks=st.integers(2, 17),
+    seed_value=st.integers(0, 2**32 - 1),
+)
+def test_decode_accumulate_then_divide_matches_adding_and_dividing_apart(
+    x: np.ndarray, config: QuantConfig, ranks: int, seed_value: int
+) -> None:
+    q = encode(x, config)
+    accumulator = np.random.default_rng(seed_value).standard_normal(q.numel).astype(np.float32)
+    expected = (accumulator + decode(q)) / np.float32(ranks)
+
+    decode_accumulate(q, accumulator, divide_by=ranks)
+
+    np.testing.assert_array_equal(accumulator, expected)
+
+
 def test_decode_accumulate_rejects_a_float64_accumulator() -> None:
     q = encode(np.ones(5, np.float32), QuantConfig())
 
