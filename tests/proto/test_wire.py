@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
@@ -16,7 +18,7 @@ from gradq.qcore import QuantConfig, Scheme, encode
 PAYLOAD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
 TENSOR = pb.PushPullRequest.DESCRIPTOR.fields_by_name["tensor"].number
 
-requests = st.builds(
+requests: st.SearchStrategy[dict[str, object]] = st.builds(
     dict,
     job_id=st.text(max_size=40),
     step=st.integers(0, 2**64 - 1),
@@ -33,7 +35,7 @@ requests = st.builds(
     bits=st.integers(1, 8),
     scheme=st.sampled_from([Scheme.PER_TENSOR_AFFINE, Scheme.PER_CHANNEL_AFFINE, Scheme.FLOAT32]),
 )
-def test_spliced_request_is_the_protobuf_message(fields: dict, numel: int, bits: int, scheme: Scheme) -> None:
+def test_spliced_request_is_the_protobuf_message(fields: dict[str, Any], numel: int, bits: int, scheme: Scheme) -> None:
     config = QuantConfig(scheme=scheme, bits=bits, channel_size=64)
     tensor = encode(np.random.default_rng(numel).normal(size=numel).astype(np.float32), config)
     spliced = serialize_with_tensor(pb.PushPullRequest(**fields), "tensor", tensor)
