@@ -10,6 +10,9 @@ from typing import Any
 
 import netns
 
+from gradq.client.worker import DEFAULT_CHUNK_ELEMENTS, chunk_bounds, chunk_key, shard_for
+from gradq.qcore import DEFAULT_CHANNEL_SIZE
+
 __all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
 
 FP32_BYTES = 4
@@ -114,10 +117,13 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def _largest_share(bucket_numels: Sequence[int], shards: int) -> float | None:
-    # Same rule as gradq.client.worker.shard_for: bucket index modulo the shard count.
+    # The client's own rules: buckets cut into chunk rounds, each round's key picks its shard.
     if shards < 1 or not bucket_numels:
         return None
-    loads = [sum(bucket_numels[shard::shards]) for shard in range(shards)]
+    loads = [0] * shards
+    for bucket, numel in enumerate(bucket_numels):
+        for index, (begin, end) in enumerate(chunk_bounds(numel, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHANNEL_SIZE)):
+            loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
     return max(loads) / sum(loads)
 
 
@@ -227,9 +233,9 @@ FOOTNOTES = """\
     64 KiB), so a real Ethernet link would carry a few percent more."""
 
 SHARD_FOOTNOTES = """\
-[d] Share of the gradient elements on the busiest shard: gradq assigns whole DDP buckets
-    to shards (bucket index mod shards); when the busiest shard's link sets the pace,
-    two shards gain about 1 / share over one.
+[d] Share of the gradient elements on the busiest shard: gradq cuts buckets into rounds
+    of at most 2^21 elements and round i of bucket b goes to shard (b + i) mod shards;
+    when the busiest shard's link sets the pace, two shards gain about 1 / share over one.
 [e] world x 4 bytes x parameters / median step time: fp32 gradient bytes averaged per second.
 [f] Sum of the workers' sent bytes per step / median step time."""
 
