@@ -20,7 +20,7 @@ from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_me
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
 from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
-from gradq.client.worker import AggregationError, WorkerClient
+from gradq.client.worker import DEFAULT_CHUNK_ELEMENTS, AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, QuantizedArray, Rounding
 
 __all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]
@@ -49,6 +49,7 @@ class GradqHookState:
         connect_timeout_s: how long the first join waits for the aggregator.
         process_group: the group DDP reduces over (None: the default group).
         security: TLS, mutual TLS and/or bearer token for the aggregator channels.
+        chunk_elements: buckets above this travel as several rounds (see WorkerClient).
     """
 
     __slots__ = (
@@ -57,6 +58,7 @@ class GradqHookState:
         "_residuals",  # bucket index -> device residual (error feedback for GPU buckets)
         "_sender_pool",  # one thread that encodes and sends CPU buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
+        "chunk_elements",  # largest round a bucket is cut into
         "config",  # the wire grid for pushes
         "connect_timeout_s",  # first join's patience
         "error_feedback",  # whether residuals are kept
@@ -80,6 +82,7 @@ class GradqHookState:
         connect_timeout_s: float = 10.0,
         process_group: dist.ProcessGroup | None = None,
         security: ChannelSecurity | None = None,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -98,6 +101,7 @@ class GradqHookState:
         self.connect_timeout_s = connect_timeout_s
         self.process_group = process_group
         self.security = security
+        self.chunk_elements = chunk_elements
         self.step = 0
         self._client: WorkerClient | None = None
         self._mode: str | None = None
@@ -167,6 +171,7 @@ class GradqHookState:
             error_feedback=self.error_feedback,
             timeout_s=self.timeout_s,
             security=self.security,
+            chunk_elements=self.chunk_elements,
         )
         failure: AggregationError | None = None
         try:

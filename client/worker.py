@@ -170,6 +170,8 @@ class WorkerClient:
             raise ValueError(f"rank={rank} is out of range; expected 0..{world_size - 1}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} is invalid; expected > 0")
+        if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 0:
+            raise ValueError(f"chunk_elements={chunk_elements!r} is invalid; expected an integer >= 0 (0 never splits)")
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id

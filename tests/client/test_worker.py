@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gradq.client import AggregationError, WorkerClient, shard_for
+from gradq.client.worker import chunk_bounds
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -163,6 +164,7 @@ def test_client_error_feedback_keeps_long_run_mean_unbiased(start: Start) -> Non
         ({"rank": 3}, "rank=3 is out of range; expected 0..1"),
         ({"world_size": 0}, "world_size=0 is invalid"),
         ({"timeout_s": 0}, "timeout_s=0 is invalid"),
+        ({"chunk_elements": -1}, r"chunk_elements=-1 is invalid; expected an integer >= 0"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, object], message: str) -> None:
@@ -188,3 +190,10 @@ def test_large_buckets_travel_as_chunks_spread_over_the_shards(start: Start) -> 
         np.testing.assert_array_equal(results[rank], np.arange(5000, dtype=np.float32).reshape(50, 100) * 1.5)
     # Bucket 1's chunks 0..4 go to shards (1 + i) % 2: 1, 0, 1, 0, 1.
     assert [s.table.counters["rounds_completed"] for s in shards] == [2, 3]
+
+
+def test_chunks_are_equal_shares_of_whole_channels() -> None:
+    # Three rounds either way; their share (ceil(5000 / 3) = 1667) is rounded up to whole channels.
+    assert chunk_bounds(5000, 2048, 512) == [(0, 2048), (2048, 4096), (4096, 5000)]
+    assert chunk_bounds(6000, 2048, 8) == [(0, 2000), (2000, 4000), (4000, 6000)]  # no small tail round
+    assert chunk_bounds(100, 0, 8) == [(0, 100)] == chunk_bounds(100, 100, 8)
