@@ -10,7 +10,7 @@ from typing import Any
 
 import netns
 
-from gradq.client.worker import DEFAULT_CHUNK_ELEMENTS, chunk_bounds, chunk_key, shard_for
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, chunk_bounds, chunk_key, shard_for
 from gradq.qcore import DEFAULT_CHANNEL_SIZE
 
 __all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
 from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
-from gradq.client.worker import DEFAULT_CHUNK_ELEMENTS, AggregationError, WorkerClient
+from gradq.client.worker import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, QuantizedArray, Rounding
 
 __all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from gradq.client import serde
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, assemble, chunk_bounds, chunk_key, output_buffer, shard_for
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
@@ -21,15 +22,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, decode, encode
 
-__all__ = [
-    "DEFAULT_CHUNK_ELEMENTS",
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "AggregationError",
-    "WorkerClient",
-    "chunk_bounds",
-    "chunk_key",
-    "shard_for",
-]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_MAX_MESSAGE_BYTES", "AggregationError", "WorkerClient", "shard_for"]
 
 log = logging.getLogger(__name__)
 
@@ -46,78 +39,6 @@ class AggregationError(RuntimeError):
 
 
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
-
-# Largest round a bucket is cut into. Each round costs fixed CPU on both ends
-# (about half a millisecond on loopback), while smaller rounds let one chunk's
-# mean come back while the next is pushed on a slow link: 2^21 measured within
-# 4% of the best of 2^20..2^22 in bench/ddp_step.py and bench/network.py alike.
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
-
-# A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).
-CHUNK_KEY_STRIDE = 1 << 32
-
-
-def chunk_key(bucket: int, chunk: int) -> int:
-    """The round key of a bucket's chunk."""
-    return bucket + chunk * CHUNK_KEY_STRIDE
-
-
-def shard_for(key: int, shards: int) -> int:
-    """The shard that owns a round key: the same in every process, spread round-robin.
-
-    Bucket b's chunk i goes to shard (b + i) % shards. DDP numbers buckets
-    0..B-1 and chunks are equal, so this balances shards exactly where a random
-    hash could pile two large buckets on one shard.
-    """
-    bucket, chunk = key % CHUNK_KEY_STRIDE, key // CHUNK_KEY_STRIDE
-    return (bucket + chunk) % shards
-
-
-def chunk_bounds(numel: int, chunk_elements: int, channel_size: int) -> list[tuple[int, int]]:
-    """Fewest chunks of at most ``chunk_elements``, equal up to whole channels (no small tail round)."""
-    if chunk_elements <= 0 or numel <= chunk_elements:
-        return [(0, numel)]
-    count = -(-numel // chunk_elements)
-    size = -(-numel // count)
-    size = -(-size // channel_size) * channel_size  # <= chunk_elements, itself whole channels
-    return [(begin, min(begin + size, numel)) for begin in range(0, numel, size)]
-
-
-def _assemble(
-    parts: list[concurrent.futures.Future[np.ndarray]], out: np.ndarray, shape: tuple[int, ...]
-) -> concurrent.futures.Future[np.ndarray]:
-    """One future for a bucket's chunks, which decode into their slices of ``out``: ``out``, or the first failure."""
-    result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def landed(done: concurrent.futures.Future[np.ndarray]) -> None:
-        error = done.exception()
-        with lock:
-            if result.done():
-                return
-            if error is not None:
-                result.set_exception(error)
-                return
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                result.set_result(out.reshape(shape))
-
-    for part in parts:
-        part.add_done_callback(landed)
-    return result
-
-
-def _output_buffer(out: np.ndarray | None, numel: int) -> np.ndarray:
-    """``out`` checked as a flat float32 view of ``numel`` elements, or a new one."""
-    if out is None:
-        return np.empty(numel, np.float32)
-    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous:
-        raise ValueError(
-            f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}; "
-            f"expected a contiguous float32 array of {numel} elements"
-        )
-    return out.reshape(-1)
 
 
 class WorkerClient:
@@ -276,7 +197,7 @@ class WorkerClient:
         """
         values = np.asarray(array)
         flat = values.reshape(-1)
-        out = _output_buffer(out, flat.size)
+        out = output_buffer(out, flat.size)
         pieces = chunk_bounds(flat.size, self.chunk_elements, self.config.channel_size)
         keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
@@ -290,14 +211,14 @@ class WorkerClient:
                 self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end])
                 for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
-            return _assemble(parts, out, values.shape)
+            return assemble(parts, out, values.shape)
         encode_seconds = (time.perf_counter() - started) / len(pieces)
         parts = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
             error_ratio = self._sampled_error(key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
             parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
-        return _assemble(parts, out, values.shape)
+        return assemble(parts, out, values.shape)
 
     def _encode(self, key: int, values: np.ndarray) -> QuantizedArray:
         if self._error_feedback is not None:
@@ -377,7 +298,7 @@ class WorkerClient:
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         flat_shape = (tensor.numel,) if shape is None else shape
-        out = _output_buffer(out, tensor.numel)
+        out = output_buffer(out, tensor.numel)
         pending = _PendingPush(shard, step, request, flat_shape, out, concurrent.futures.Future())
         self._send(pending)
         return pending.result

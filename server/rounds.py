@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gradq.qcore import ErrorFeedback, QuantizedArray, decode, decode_accumulate, encode
+from gradq.qcore import ErrorFeedback, QuantizedArray, decode, encode
 from gradq.server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -26,6 +26,7 @@ from gradq.server.errors import (
 )
 from gradq.server.policy import PushedGrid, RoundPolicy, return_config_for
 from gradq.server.reports import RoundObserver, RoundReport
+from gradq.server.round_state import Round, RoundResult
 
 __all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
@@ -35,77 +36,12 @@ MAX_JOB_ID_LENGTH = 256
 
 
 @dataclass(frozen=True, slots=True)
-class RoundResult:
-    """What every waiter of a finished round receives."""
-
-    mean: QuantizedArray
-    contributors: tuple[int, ...]
-    missing: tuple[int, ...] = ()
-    skipped: bool = False  # a rank reported non-finite values; the mean is zeros
-    # The answer in its wire form, built once per round by the table's ``package``
-    # callable, so W waiters do not serialize the same mean W times.
-    packaged: object = None
-
-    @property
-    def partial(self) -> bool:
-        """True when the round closed on a quorum with ranks missing."""
-        return bool(self.missing)
-
-
-class _Round:
-    __slots__ = (
-        "accumulator",
-        "arrivals",
-        "averaged",
-        "bucket",
-        "contributors",
-        "deadline",
-        "decoded",
-        "done",
-        "error",
-        "lock",
-        "non_finite",
-        "opened_at",
-        "pushed",
-        "received_bytes",
-        "relative_error",
-        "result",
-        "step",
-    )
-
-    def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
-        self.step = step
-        self.bucket = bucket
-        # The first contribution fixes numel and, by default, the return grid.
-        self.pushed = pushed
-        self.deadline = deadline
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
-        self.accumulator: np.ndarray | None = np.empty(pushed.numel, np.float32)
-        self.decoded = 0  # contributions in the accumulator
-        self.averaged = False  # the last contribution already divided the sum by the ranks
-        self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
-        # For metrics: when the round opened, when each rank arrived, bytes in, error out.
-        self.opened_at = time.monotonic()
-        self.arrivals: dict[int, float] = {}
-        self.received_bytes = 0
-        self.relative_error: float | None = None
-        self.contributors: set[int] = set()
-        self.result: RoundResult | None = None
-        self.error: RoundError | None = None
-
-    def describe(self, job_id: str) -> str:
-        return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
-
-
-@dataclass(frozen=True, slots=True)
 class RoundTicket:
     """A contribution accepted by ``push``; hand it to ``wait`` for the answer."""
 
     job_id: str
     job: _Job
-    round: _Round
+    round: Round
     rank: int
 
 
@@ -114,7 +50,7 @@ class _Job:
     world_size: int
     joined: set[int] = field(default_factory=set)
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
-    rounds: dict[tuple[int, int], _Round] = field(default_factory=dict)
+    rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
     newest_finished_step: int = -1
     error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
 
@@ -263,7 +199,7 @@ class RoundTable:
                 if self._closing:
                     raise UnavailableError("the aggregator is shutting down; no new rounds are started")
                 grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
-                rnd = _Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
+                rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
                 job.rounds[(step, bucket)] = rnd
             elif tensor.numel != rnd.pushed.numel:
                 raise InvalidArgumentError(
@@ -272,16 +208,8 @@ class RoundTable:
                 )
         with rnd.lock:
             if not rnd.done.is_set() and rank not in rnd.contributors:
-                assert rnd.accumulator is not None
                 if not non_finite:
-                    # The round's last rank turns the sum into the mean in the same pass.
-                    last = len(rnd.contributors) + 1 == job.world_size and not rnd.non_finite
-                    if rnd.decoded:
-                        decode_accumulate(tensor, rnd.accumulator, divide_by=job.world_size if last else 1)
-                    else:
-                        decode(tensor, out=rnd.accumulator)
-                    rnd.decoded += 1
-                    rnd.averaged = last
+                    rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
@@ -312,15 +240,11 @@ class RoundTable:
                     self._close_early(ticket.job_id, ticket.job, rnd, reason, "deadline")
         return _answer(ticket.job_id, rnd, ticket.rank)
 
-    def _finish(self, job_id: str, job: _Job, rnd: _Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
+    def _finish(self, job_id: str, job: _Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
-        mean = rnd.accumulator
-        assert mean is not None
-        if rnd.non_finite or not rnd.decoded:
-            mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
+        mean = rnd.mean()
+        if rnd.non_finite:
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job_id), sorted(rnd.non_finite))
-        if not rnd.averaged:
-            mean /= np.float32(len(rnd.contributors))
         config = return_config_for(self.policy, rnd.pushed)
         try:
             if self.policy.server_error_feedback:
@@ -341,7 +265,7 @@ class RoundTable:
         outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
         self._release(job_id, job, rnd, outcome, reason)
 
-    def _close_early(self, job_id: str, job: _Job, rnd: _Round, reason: str, code: str) -> None:
+    def _close_early(self, job_id: str, job: _Job, rnd: Round, reason: str, code: str) -> None:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
         quorum = self.policy.partial_quorum
@@ -361,12 +285,12 @@ class RoundTable:
         )
         self._fail(job_id, job, rnd, error, code)
 
-    def _fail(self, job_id: str, job: _Job, rnd: _Round, error: RoundError, reason: str) -> None:
+    def _fail(self, job_id: str, job: _Job, rnd: Round, error: RoundError, reason: str) -> None:
         rnd.error = error
         log.warning("%s", error)
         self._release(job_id, job, rnd, "failed", reason)
 
-    def _release(self, job_id: str, job: _Job, rnd: _Round, outcome: str, reason: str) -> None:
+    def _release(self, job_id: str, job: _Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
         rnd.accumulator = None
         rnd.done.set()
@@ -410,7 +334,7 @@ class RoundTable:
             return {job_id: sorted(job.joined) for job_id, job in self._jobs.items()}
 
 
-def _answer(job_id: str, rnd: _Round, rank: int) -> RoundResult:
+def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
     if rnd.error is not None:
         raise type(rnd.error)(str(rnd.error))
     assert rnd.result is not None
@@ -433,7 +357,7 @@ def _relative_error(mean: np.ndarray, encoded: QuantizedArray) -> float:
     return float(np.linalg.norm(decode(encoded) - mean)) / norm if norm > 0 else 0.0
 
 
-def _report(job_id: str, rnd: _Round, outcome: str, reason: str) -> RoundReport:
+def _report(job_id: str, rnd: Round, outcome: str, reason: str) -> RoundReport:
     arrivals = sorted(rnd.arrivals.items(), key=lambda item: item[1])
     # Counted as the client counts what it receives: the encoded mean's wire size.
     sent = rnd.result.mean.nbytes * len(rnd.result.contributors) if rnd.result is not None else 0

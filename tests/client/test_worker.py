@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradq.client import AggregationError, WorkerClient, shard_for
-from gradq.client.worker import chunk_bounds
+from gradq.client.chunks import chunk_bounds
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy

@@ -1,0 +1,108 @@
+"""One round's state: its fp32 accumulator, who has contributed, and the answer they all receive."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradq.qcore import QuantizedArray, decode, decode_accumulate
+from gradq.server.errors import RoundError
+from gradq.server.policy import PushedGrid
+
+__all__ = ["Round", "RoundResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What every waiter of a finished round receives."""
+
+    mean: QuantizedArray
+    contributors: tuple[int, ...]
+    missing: tuple[int, ...] = ()
+    skipped: bool = False  # a rank reported non-finite values; the mean is zeros
+    # The answer in its wire form, built once per round by the table's ``package``
+    # callable, so W waiters do not serialize the same mean W times.
+    packaged: object = None
+
+    @property
+    def partial(self) -> bool:
+        """True when the round closed on a quorum with ranks missing."""
+        return bool(self.missing)
+
+
+class Round:
+    """One round in flight (or finished and kept for retries); the table holds its lock while changing it."""
+
+    __slots__ = (
+        "accumulator",
+        "arrivals",
+        "averaged",
+        "bucket",
+        "contributors",
+        "deadline",
+        "decoded",
+        "done",
+        "error",
+        "lock",
+        "non_finite",
+        "opened_at",
+        "pushed",
+        "received_bytes",
+        "relative_error",
+        "result",
+        "step",
+    )
+
+    def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
+        self.step = step
+        self.bucket = bucket
+        # The first contribution fixes numel and, by default, the return grid.
+        self.pushed = pushed
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
+        self.accumulator: np.ndarray | None = np.empty(pushed.numel, np.float32)
+        self.decoded = 0  # contributions in the accumulator
+        self.averaged = False  # the last contribution already divided the sum by the ranks
+        self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
+        # For metrics: when the round opened, when each rank arrived, bytes in, error out.
+        self.opened_at = time.monotonic()
+        self.arrivals: dict[int, float] = {}
+        self.received_bytes = 0
+        self.relative_error: float | None = None
+        self.contributors: set[int] = set()
+        self.result: RoundResult | None = None
+        self.error: RoundError | None = None
+
+    def describe(self, job_id: str) -> str:
+        return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
+
+    def accumulate(self, tensor: QuantizedArray, last: bool) -> None:
+        """Dequantize a finite contribution into the accumulator.
+
+        The first one is written, not added (the accumulator is never zeroed);
+        the round's ``last`` one divides by the ranks in the same pass, turning
+        the sum into the mean without another pass over the bucket.
+        """
+        assert self.accumulator is not None, "the round has been released"
+        last = last and not self.non_finite
+        if self.decoded:
+            decode_accumulate(tensor, self.accumulator, divide_by=len(self.contributors) + 1 if last else 1)
+        else:
+            decode(tensor, out=self.accumulator)
+        self.decoded += 1
+        self.averaged = last
+
+    def mean(self) -> np.ndarray:
+        """The accumulator turned into the mean over the contributors; zeros when a rank reported NaN/Inf."""
+        mean = self.accumulator
+        assert mean is not None, "the round has been released"
+        if self.non_finite or not self.decoded:
+            mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
+        elif not self.averaged:
+            mean /= np.float32(len(self.contributors))
+        return mean
