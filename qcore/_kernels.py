@@ -170,9 +170,12 @@ def quantize_with_qparams(x, channel_size, qmax, noise_key, scales, zero_points,
 def pack(levels, bits, out):  # type: ignore[no-untyped-def]
     """Pack ``bits``-bit levels LSB-first: level i occupies bits [i*bits, (i+1)*bits).
 
-    Eight levels fill exactly ``bits`` bytes, so whole groups of eight go through
-    one 64-bit word with no branches; only the tail is done level by level.
+    Widths that divide a byte (1, 2, 4) pack whole bytes in a loop LLVM
+    vectorises; the others put each group of eight levels through one 64-bit word.
     """
+    if bits == 4 or bits == 2 or bits == 1:
+        _pack_whole_bytes(levels, bits, out)
+        return
     groups = levels.size // 8
     for g in range(groups):
         word = np.uint64(0)
@@ -190,8 +193,63 @@ def pack(levels, bits, out):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _pack_whole_bytes(levels, bits, out):  # type: ignore[no-untyped-def]
+    """``pack`` for bits in (1, 2, 4): byte i holds levels [i * per, (i + 1) * per), per = 8 // bits."""
+    per = 8 // bits
+    full = levels.size // per
+    # Fixed-width bodies: a constant stride is what lets the loads vectorise.
+    if bits == 4:
+        for i in range(full):
+            out[i] = levels[2 * i] | (levels[2 * i + 1] << 4)
+    elif bits == 2:
+        for i in range(full):
+            out[i] = levels[4 * i] | (levels[4 * i + 1] << 2) | (levels[4 * i + 2] << 4) | (levels[4 * i + 3] << 6)
+    else:
+        for i in range(full):
+            byte = np.uint8(0)
+            for j in range(8):
+                byte |= levels[8 * i + j] << j
+            out[i] = byte
+    if full < out.size:  # the last, partly filled byte
+        byte = np.uint8(0)
+        for j in range(levels.size - full * per):
+            byte |= levels[full * per + j] << (j * bits)
+        out[full] = byte
+
+
+@njit(cache=True, nogil=True)
+def _unpack_whole_bytes(payload, bits, levels):  # type: ignore[no-untyped-def]
+    """``unpack`` for bits in (1, 2, 4)."""
+    per = 8 // bits
+    full = levels.size // per
+    mask = np.uint8((1 << bits) - 1)
+    if bits == 4:
+        for i in range(full):
+            byte = payload[i]
+            levels[2 * i] = byte & mask
+            levels[2 * i + 1] = byte >> 4
+    elif bits == 2:
+        for i in range(full):
+            byte = payload[i]
+            levels[4 * i] = byte & mask
+            levels[4 * i + 1] = (byte >> 2) & mask
+            levels[4 * i + 2] = (byte >> 4) & mask
+            levels[4 * i + 3] = byte >> 6
+    else:
+        for i in range(full):
+            byte = payload[i]
+            for j in range(8):
+                levels[8 * i + j] = (byte >> j) & mask
+    for j in range(levels.size - full * per):
+        levels[full * per + j] = (payload[full] >> (j * bits)) & mask
+
+
+@njit(cache=True, nogil=True)
 def unpack(payload, bits, levels):  # type: ignore[no-untyped-def]
     """Inverse of ``pack``: fills ``levels`` (its size is the element count)."""
+    if bits == 4 or bits == 2 or bits == 1:
+        _unpack_whole_bytes(payload, bits, levels)
+        return
     mask = np.uint64((1 << bits) - 1)
     groups = levels.size // 8
     for g in range(groups):
