@@ -197,3 +197,32 @@ def test_chunks_are_equal_shares_of_whole_channels() -> None:
     assert chunk_bounds(5000, 2048, 512) == [(0, 2048), (2048, 4096), (4096, 5000)]
     assert chunk_bounds(6000, 2048, 8) == [(0, 2000), (2000, 4000), (4000, 6000)]  # no small tail round
     assert chunk_bounds(100, 0, 8) == [(0, 100)] == chunk_bounds(100, 100, 8)
+
+
+def test_mean_is_decoded_into_the_given_buffer_across_chunks(start: Start) -> None:
+    server = start()
+    config = QuantConfig(scheme=Scheme.FLOAT32, channel_size=256)
+    buffers = {rank: np.full(3000, float(rank + 1), np.float32) for rank in (0, 1)}
+    results: dict[int, np.ndarray] = {}
+
+    def work(rank: int) -> None:
+        with WorkerClient(f"127.0.0.1:{server.port}", "into", rank, 2, config, chunk_elements=1024) as client:
+            # The bucket is also the output, as in the DDP hook: three chunk rounds land in place.
+            results[rank] = client.push_pull_async(0, 0, buffers[rank], out=buffers[rank]).result(timeout=30)
+
+    run_ranks(2, work)
+    for rank in (0, 1):
+        assert np.shares_memory(results[rank], buffers[rank])
+        np.testing.assert_array_equal(buffers[rank], np.full(3000, 1.5, np.float32))
+    assert server.table.counters["rounds_completed"] == 3
+
+
+@pytest.mark.parametrize(
+    "out", [np.zeros(8, np.float64), np.zeros(7, np.float32), np.zeros((8, 2), np.float32)[:, 0]], ids=str
+)
+def test_a_wrong_output_buffer_is_refused_before_anything_is_sent(start: Start, out: np.ndarray) -> None:
+    server = start()
+    with WorkerClient(f"127.0.0.1:{server.port}", "bad-out", 0, 1) as client:
+        with pytest.raises(ValueError, match="expected a contiguous float32 array of 8 elements"):
+            client.push_pull_async(0, 0, np.ones(8, np.float32), out=out)
+        assert client.stats().pushes == 0
