@@ -48,7 +48,10 @@ def shard_for(key: int, shards: int) -> int:
 
 
 def chunk_bounds(numel: int, chunk_elements: int, channel_size: int) -> list[tuple[int, int]]:
-    """Fewest chunks of at most ``chunk_elements``, equal up to whole channels (no small tail round)."""
+    """Fewest chunks of at most ``chunk_elements``, equal up to whole channels (no small tail round).
+
+    ``chunk_elements`` must be a whole number of channels (WorkerClient rounds it up).
+    """
     if chunk_elements <= 0 or numel <= chunk_elements:
         return [(0, numel)]
     count = -(-numel // chunk_elements)
@@ -60,22 +63,28 @@ def chunk_bounds(numel: int, chunk_elements: int, channel_size: int) -> list[tup
 def assemble(
     parts: list[concurrent.futures.Future[np.ndarray]], out: np.ndarray, shape: tuple[int, ...]
 ) -> concurrent.futures.Future[np.ndarray]:
-    """One future for a bucket's chunks, which decode into their slices of ``out``: ``out``, or the first failure."""
+    """One future for a bucket's chunks, which decode into their slices of ``out``: ``out``, or the first failure.
+
+    It completes only once every chunk has settled, failed or not, so no
+    chunk's mean is written into ``out`` after the caller got its answer.
+    """
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
     remaining = [len(parts)]
+    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def landed(done: concurrent.futures.Future[np.ndarray]) -> None:
         error = done.exception()
         with lock:
-            if result.done():
-                return
             if error is not None:
-                result.set_exception(error)
-                return
+                errors.append(error)
             remaining[0] -= 1
-            if remaining[0] == 0:
-                result.set_result(out.reshape(shape))
+            if remaining[0] > 0:
+                return
+        if errors:
+            result.set_exception(errors[0])
+        else:
+            result.set_result(out.reshape(shape))
 
     for part in parts:
         part.add_done_callback(landed)
@@ -86,9 +95,9 @@ def output_buffer(out: np.ndarray | None, numel: int) -> np.ndarray:
     """``out`` checked as a flat float32 view of ``numel`` elements, or a new one."""
     if out is None:
         return np.empty(numel, np.float32)
-    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous:
+    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(
-            f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}; "
-            f"expected a contiguous float32 array of {numel} elements"
+            f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}, "
+            f"writeable={out.flags.writeable}; expected a writeable contiguous float32 array of {numel} elements"
         )
     return out.reshape(-1)

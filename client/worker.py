@@ -207,17 +207,26 @@ class WorkerClient:
             # NaN/Inf (or |x| >= 2**126): tell the aggregator about every chunk, so its
             # policy rejects the bucket or skips it, for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
-            parts = [
+            reported = [
                 self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end])
                 for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
-            return assemble(parts, out, values.shape)
+            return assemble(reported, out, values.shape)
         encode_seconds = (time.perf_counter() - started) / len(pieces)
-        parts = []
+        parts: list[concurrent.futures.Future[np.ndarray]] = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
             error_ratio = self._sampled_error(key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
-            parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
+            try:
+                parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
+            except AggregationError as error:
+                if not parts:
+                    raise
+                # Chunks already sent still land in ``out``: fail through the future, once they have.
+                failed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+                failed.set_exception(error)
+                parts.append(failed)
+                break
         return assemble(parts, out, values.shape)
 
     def _encode(self, key: int, values: np.ndarray) -> QuantizedArray:
@@ -315,7 +324,7 @@ class WorkerClient:
             received_at = time.perf_counter()
             try:
                 mean = serde.mean_from_bytes(call.result(), pending.out)
-            except ValueError as error:
+            except Exception as error:  # whatever fails here must still settle the future
                 pending.result.set_exception(AggregationError(address, None, str(error)))
                 return
             self._stats.pulled(

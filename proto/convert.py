@@ -58,7 +58,12 @@ def serialize_with_tensor(outer: Message, field: str, q: QuantizedArray) -> byte
     """Serialize ``outer`` with ``q`` in its QuantizedTensor field ``field``, copying the payload once.
 
     The bytes are a valid encoding of the message: protobuf in any language reads them.
+
+    Raises:
+        ValueError: ``outer`` already has ``field`` set (the two would be merged).
     """
+    if outer.HasField(field):
+        raise ValueError(f"{field} is already set on the {outer.DESCRIPTOR.name}; pass the message without it")
     number = outer.DESCRIPTOR.fields_by_name[field].number
     header = tensor_header(q).SerializeToString()
     payload = np.ascontiguousarray(q.payload).reshape(-1).data

@@ -13,7 +13,6 @@ large blocks kept in the heap: page faults, not copies, were half the cost.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -32,8 +31,9 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 # Free memory a heap keeps before returning it to the kernel.
 _TRIM_THRESHOLD = 256 << 20
-# The user's own MALLOC_* settings win over ours.
+# The user's own malloc settings win over ours.
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_USER_TUNABLES = "glibc.malloc."
 
 _tuned: bool | None = None
 
@@ -51,8 +51,8 @@ def keep_large_buffers() -> bool:
 
     Serves blocks up to 32 MiB from the heap and keeps up to 256 MiB of free
     heap, so a process's resident memory stays near its peak between steps.
-    Does nothing off glibc or when the user set MALLOC_MMAP_THRESHOLD_ or
-    MALLOC_TRIM_THRESHOLD_.
+    Does nothing off Linux/glibc or when the user set MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_ or glibc.malloc tunables (GLIBC_TUNABLES).
 
     Returns:
         True when the settings are in effect (set now or earlier).
@@ -63,10 +63,12 @@ def keep_large_buffers() -> bool:
     _tuned = False
     if not sys.platform.startswith("linux") or any(name in os.environ for name in _USER_SETTINGS):
         return False
+    if _USER_TUNABLES in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        # By name, not ctypes.util.find_library: that runs ldconfig in a subprocess.
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no libc.so.6 with mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))

@@ -22,6 +22,11 @@ from __future__ import annotations
 __all__ = ["join_bulk", "split_bulk"]
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+# protobuf refuses tags and lengths longer than 5 bytes (and above these values);
+# the fast path must refuse them too, or it would accept what protobuf rejects.
+_MAX_TAG_OR_LENGTH_BYTES = 5
+_MAX_TAG = (1 << 32) - 1
+_MAX_LENGTH = (1 << 31) - 1
 
 
 def _varint(value: int) -> bytes:
@@ -52,12 +57,12 @@ def join_bulk(outer: bytes, nested_field: int, nested: bytes, bulk_field: int, b
     return b"".join((outer, nested_prefix, nested, bulk_prefix, bulk))
 
 
-def _read_varint(data: memoryview, position: int, end: int) -> tuple[int, int]:
-    """(value, position after it); raises IndexError past ``end`` or after 10 bytes."""
+def _read_varint(data: memoryview, position: int, end: int, max_bytes: int = 10) -> tuple[int, int]:
+    """(value, position after it); raises IndexError past ``end`` or after ``max_bytes`` bytes."""
     value = shift = 0
     while True:
-        if position >= end or shift > 63:
-            raise IndexError("truncated varint")
+        if position >= end or shift >= 7 * max_bytes:
+            raise IndexError("truncated or over-long varint")
         byte = data[position]
         position += 1
         value |= (byte & 0x7F) << shift
@@ -72,13 +77,17 @@ def _fields(data: memoryview, begin: int, end: int) -> list[tuple[int, int, int,
     position = begin
     while position < end:
         start = position
-        key, position = _read_varint(data, position, end)
+        key, position = _read_varint(data, position, end, _MAX_TAG_OR_LENGTH_BYTES)
+        if key > _MAX_TAG:
+            raise IndexError(f"tag {key}")
         wire_type = key & 7
         if wire_type == _VARINT:
             _, position = _read_varint(data, position, end)
             value_start = start
         elif wire_type == _LENGTH_DELIMITED:
-            length, position = _read_varint(data, position, end)
+            length, position = _read_varint(data, position, end, _MAX_TAG_OR_LENGTH_BYTES)
+            if length > _MAX_LENGTH:
+                raise IndexError(f"length {length}")
             value_start = position
             position += length
         elif wire_type in (_FIXED64, _FIXED32):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradq.client import AggregationError, WorkerClient, shard_for
-from gradq.client.chunks import chunk_bounds
+from gradq.client.chunks import assemble, chunk_bounds
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -218,11 +219,31 @@ def test_mean_is_decoded_into_the_given_buffer_across_chunks(start: Start) -> No
 
 
 @pytest.mark.parametrize(
-    "out", [np.zeros(8, np.float64), np.zeros(7, np.float32), np.zeros((8, 2), np.float32)[:, 0]], ids=str
+    "out",
+    [
+        np.zeros(8, np.float64),
+        np.zeros(7, np.float32),
+        np.zeros((8, 2), np.float32)[:, 0],
+        np.frombuffer(bytes(32), np.float32),  # read-only
+    ],
+    ids=["float64", "7-elements", "strided", "read-only"],
 )
 def test_a_wrong_output_buffer_is_refused_before_anything_is_sent(start: Start, out: np.ndarray) -> None:
     server = start()
     with WorkerClient(f"127.0.0.1:{server.port}", "bad-out", 0, 1) as client:
-        with pytest.raises(ValueError, match="expected a contiguous float32 array of 8 elements"):
+        with pytest.raises(ValueError, match="expected a writeable contiguous float32 array of 8 elements"):
             client.push_pull_async(0, 0, np.ones(8, np.float32), out=out)
         assert client.stats().pushes == 0
+
+
+def test_a_failed_bucket_answers_only_once_every_chunk_has_landed() -> None:
+    # A chunk still in flight writes its mean into ``out`` when it lands; the
+    # caller must not get the bucket's error (and reuse ``out``) before that.
+    parts: list[concurrent.futures.Future[np.ndarray]] = [concurrent.futures.Future() for _ in range(2)]
+    out = np.zeros(4, np.float32)
+    bucket = assemble(parts, out, (4,))
+    parts[0].set_exception(AggregationError("a:1", None, "round failed"))
+    assert not bucket.done()
+    parts[1].set_result(out[2:])
+    with pytest.raises(AggregationError, match="round failed"):
+        bucket.result(timeout=1)

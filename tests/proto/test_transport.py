@@ -12,7 +12,7 @@ PROBE = "from gradq.proto.transport import keep_large_buffers as k; print(k(), k
 
 
 def probe(**environment: str) -> str:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     env.update(environment)
     return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True).stdout
 
@@ -22,6 +22,13 @@ def test_large_buffers_are_kept_once_per_process() -> None:
     assert probe() == "True True\n"
 
 
-@pytest.mark.parametrize("variable", ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"])
-def test_the_users_own_malloc_settings_win(variable: str) -> None:
-    assert probe(**{variable: "131072"}) == "False False\n"
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("MALLOC_MMAP_THRESHOLD_", "131072"),
+        ("MALLOC_TRIM_THRESHOLD_", "131072"),
+        ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072"),
+    ],
+)
+def test_the_users_own_malloc_settings_win(variable: str, value: str) -> None:
+    assert probe(**{variable: value}) == "False False\n"

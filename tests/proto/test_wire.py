@@ -74,6 +74,21 @@ def test_wrong_wire_type_for_the_payload_falls_back() -> None:
     assert split_bulk(data, TENSOR, PAYLOAD) is None
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytes.fromhex("2a838080808080808080003a0141"),  # the tensor's length in 10 bytes
+        bytes.fromhex("aa8080808000033a0141"),  # the tensor's tag in 6 bytes
+        bytes.fromhex("2a08ba80808080000141"),  # the payload's tag in 6 bytes
+    ],
+    ids=["long-length", "long-tag", "long-payload-tag"],
+)
+def test_over_long_tags_and_lengths_are_refused_like_protobuf_does(data: bytes) -> None:
+    assert split_bulk(data, TENSOR, PAYLOAD) is None
+    with pytest.raises(DecodeError):
+        parse_with_tensor(data, pb.PushPullRequest, "tensor")
+
+
 @pytest.mark.parametrize("cut", [1, 5, 40])
 def test_truncated_message_gets_protobufs_error(cut: int) -> None:
     tensor = encode(np.ones(64, np.float32), QuantConfig(bits=8))
@@ -81,3 +96,9 @@ def test_truncated_message_gets_protobufs_error(cut: int) -> None:
     assert split_bulk(data[:-cut], TENSOR, PAYLOAD) is None
     with pytest.raises(DecodeError):
         parse_with_tensor(data[:-cut], pb.PushPullRequest, "tensor")
+
+
+def test_a_tensor_already_set_is_refused_rather_than_merged() -> None:
+    tensor = encode(np.ones(8, np.float32), QuantConfig(bits=8))
+    with pytest.raises(ValueError, match="tensor is already set on the PushPullRequest"):
+        serialize_with_tensor(pb.PushPullRequest(tensor=pb.QuantizedTensor(bits=8)), "tensor", tensor)
