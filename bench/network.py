@@ -54,7 +54,9 @@ import network_report
 from network_rank import METHOD_BY_KEY, MODELS, RankSpec, rank_main
 from network_report import MethodResult, Row, Scenario
 
-SHARD_METHODS = ("gradq8-1", "gradq8-2")  # the bottleneck scenario's rows
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+
+SHARD_METHODS = ("gradq8-1", "gradq8-2", "gradq8-4")  # the bottleneck scenario's rows
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"models": ["mlp-5.8m"], "warmup": 3, "steps": 8},
     "full": {"models": ["mlp-5.8m", "mlp-25m"], "warmup": 3, "steps": 8},
@@ -178,6 +180,7 @@ def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_
                 warmup=scenario.warmup,
                 steps=scenario.steps,
                 job_prefix=f"net{index}-{os.getpid()}",
+                chunk_elements=scenario.chunk_elements,
                 output=str(log_dir / f"rank{rank}.json"),
             )
             argv = [sys.executable, str(Path(__file__).resolve()), "--rank-main", json.dumps(dataclasses.asdict(spec))]
@@ -202,15 +205,24 @@ def _read_results(path: Path) -> dict[str, MethodResult]:
 def plan(args: argparse.Namespace) -> list[Scenario]:
     """Every scenario of the run: each (model, world, rate) on all links, then the aggregator-bottleneck one."""
     scenarios = [
-        Scenario(model, world, rate, rate, tuple(args.methods), args.warmup, args.steps)
+        Scenario(model, world, rate, rate, tuple(args.methods), args.warmup, args.steps, args.chunk_elements)
         for model in args.models
         for world in args.worlds
         for rate in args.rates
     ]
     shard_methods = tuple(key for key in SHARD_METHODS if key in args.methods)
-    if len(shard_methods) == len(SHARD_METHODS) and args.bottleneck_rate:
+    if SHARD_METHODS[0] in shard_methods and len(shard_methods) > 1 and args.bottleneck_rate:
         scenarios += [
-            Scenario(model, max(args.worlds), None, args.bottleneck_rate, shard_methods, args.warmup, args.steps)
+            Scenario(
+                model,
+                max(args.worlds),
+                None,
+                args.bottleneck_rate,
+                shard_methods,
+                args.warmup,
+                args.steps,
+                args.chunk_elements,
+            )
             for model in args.models
         ]
     return scenarios
@@ -276,8 +288,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--bottleneck-rate",
         type=_rate_or_none,
         default="100mbit",
-        help="aggregator link rate of the shard scenario (worker links unshaped); 'none' skips it; needs both "
-        "gradq8 rows",
+        help="aggregator link rate of the shard scenario (worker links unshaped); 'none' skips it; needs the "
+        "gradq8-1 row and gradq8-2 or gradq8-4",
+    )
+    parser.add_argument(
+        "--chunk-elements",
+        type=_positive,
+        default=DEFAULT_CHUNK_ELEMENTS,
+        help="gradq's largest round (GradqHookState.chunk_elements); smaller rounds overlap a shard's inbound and "
+        "outbound traffic better on slow links but cost fixed CPU each",
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the report files")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
@@ -332,7 +351,8 @@ def _setup(args: argparse.Namespace, load_before: float) -> str:
     )
     return (
         f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; batch 32, "
-        f"SGD, gloo, 1 thread per rank; {os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
+        f"SGD, gloo, 1 thread per rank; gradq rounds of at most {args.chunk_elements:,} elements; "
+        f"{os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
         "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
         f"1-minute load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it "
         f"(other work on the machine skews the times). gradq at {git.stdout.strip() or 'unknown revision'}."

@@ -57,6 +57,8 @@ METHODS = (
     Method("gradq8-2", "gradq 8-bit, 2 shards", bits=8, shards=2),
     Method("gradq4-1", "gradq 4-bit, 1 shard", bits=4, shards=1),
     Method("gradq4-2", "gradq 4-bit, 2 shards", bits=4, shards=2),
+    Method("gradq8-4", "gradq 8-bit, 4 shards", bits=8, shards=4),
+    Method("gradq4-4", "gradq 4-bit, 4 shards", bits=4, shards=4),
     Method("gradq2ef-1", "gradq 2-bit + EF, 1 shard", bits=2, error_feedback=True, shards=1),
     Method("gradq2ef-2", "gradq 2-bit + EF, 2 shards", bits=2, error_feedback=True, shards=2),
 )
@@ -259,6 +261,7 @@ class RankSpec:
     warmup: int
     steps: int
     job_prefix: str  # gradq job ids are <prefix>-<method>
+    chunk_elements: int  # gradq's largest round
     output: str  # where this rank writes its MethodResult list
 
 
@@ -300,6 +303,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
             error_feedback=method.error_feedback,
             job_id=f"{spec.job_prefix}-{method.key}",
             connect_timeout_s=60.0,
+            chunk_elements=spec.chunk_elements,
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":

@@ -10,7 +10,7 @@ from typing import Any
 
 import netns
 
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, chunk_bounds, chunk_key, shard_for
+from gradq.client.chunks import chunk_bounds, chunk_key, shard_for
 from gradq.qcore import DEFAULT_CHANNEL_SIZE
 
 __all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
@@ -46,6 +46,7 @@ class Scenario:
     methods: tuple[str, ...]
     warmup: int
     steps: int
+    chunk_elements: int  # gradq's largest round (GradqHookState.chunk_elements)
 
     @property
     def aggregator_bottleneck(self) -> bool:
@@ -116,13 +117,13 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _largest_share(bucket_numels: Sequence[int], shards: int) -> float | None:
+def _largest_share(bucket_numels: Sequence[int], shards: int, chunk_elements: int) -> float | None:
     # The client's own rules: buckets cut into chunk rounds, each round's key picks its shard.
     if shards < 1 or not bucket_numels:
         return None
     loads = [0] * shards
     for bucket, numel in enumerate(bucket_numels):
-        for index, (begin, end) in enumerate(chunk_bounds(numel, DEFAULT_CHUNK_ELEMENTS, DEFAULT_CHANNEL_SIZE)):
+        for index, (begin, end) in enumerate(chunk_bounds(numel, chunk_elements, DEFAULT_CHANNEL_SIZE, shards)):
             loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
     return max(loads) / sum(loads)
 
@@ -142,7 +143,7 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         overlap=_median([(window - after) / window for window, after in steps if window > 0]),
         tx_per_step=statistics.fmean(result.tx_per_step for result in per_rank),
         rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
-        largest_share=_largest_share(first.bucket_numels, method.shards),
+        largest_share=_largest_share(first.bucket_numels, method.shards, scenario.chunk_elements),
         numel=first.numel,
     )
 
@@ -233,8 +234,9 @@ FOOTNOTES = """\
     64 KiB), so a real Ethernet link would carry a few percent more."""
 
 SHARD_FOOTNOTES = """\
-[d] Share of the gradient elements on the busiest shard: gradq cuts buckets into rounds
-    of at most 2^21 elements and round i of bucket b goes to shard (b + i) mod shards;
+[d] Share of the gradient elements on the busiest shard, by the client's own rules
+    (client/chunks.py): buckets cut into rounds of at most --chunk-elements, a multiple
+    of the shard count of them, and round i of bucket b on shard (b + i) mod shards;
     when the busiest shard's link sets the pace, two shards gain about 1 / share over one.
 [e] world x 4 bytes x parameters / median step time: fp32 gradient bytes averaged per second.
 [f] Sum of the workers' sent bytes per step / median step time."""
@@ -278,7 +280,7 @@ def _speedup_targets(rows: Sequence[Row]) -> list[str]:
 
 def _allgather_targets(rows: Sequence[Row]) -> list[str]:
     lines = []
-    for shards in (1, 2):
+    for shards in (1, 2, 4):
         gradq = [row for row in rows if row.method.bits == 8 and row.method.shards == shards]
         gradq = [row for row in gradq if row.scenario.worker_rate == TARGET_RATE]
         name = f"gradq 8-bit, {shards} shard(s) faster than the seed allgather hook at every world size ({TARGET_RATE})"

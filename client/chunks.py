@@ -14,6 +14,7 @@ import numpy as np
 __all__ = [
     "CHUNK_KEY_STRIDE",
     "DEFAULT_CHUNK_ELEMENTS",
+    "MIN_SHARD_SPLIT",
     "assemble",
     "chunk_bounds",
     "chunk_key",
@@ -27,6 +28,11 @@ __all__ = [
 # 4% of the best of 2^20..2^22 in bench/ddp_step.py and bench/network.py alike.
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
 
+# Smallest chunk cut only to spread a bucket over the shards: below this a
+# round's fixed cost (about 1 ms of CPU over the ranks and the aggregator on
+# loopback) outweighs what balancing the links saves.
+MIN_SHARD_SPLIT = 1 << 16
+
 # A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).
 CHUNK_KEY_STRIDE = 1 << 32
 
@@ -39,22 +45,33 @@ def chunk_key(bucket: int, chunk: int) -> int:
 def shard_for(key: int, shards: int) -> int:
     """The shard that owns a round key: the same in every process, spread round-robin.
 
-    Bucket b's chunk i goes to shard (b + i) % shards. DDP numbers buckets
-    0..B-1 and chunks are equal, so this balances shards exactly where a random
-    hash could pile two large buckets on one shard.
+    Bucket b's chunk i goes to shard (b + i) % shards. ``chunk_bounds`` cuts
+    every large bucket into equal chunks, a multiple of ``shards`` of them, so
+    each shard gets the same share of it; small buckets take turns by index.
+    A random hash could pile two large buckets on one shard.
     """
     bucket, chunk = key % CHUNK_KEY_STRIDE, key // CHUNK_KEY_STRIDE
     return (bucket + chunk) % shards
 
 
-def chunk_bounds(numel: int, chunk_elements: int, channel_size: int) -> list[tuple[int, int]]:
+def chunk_bounds(numel: int, chunk_elements: int, channel_size: int, shards: int = 1) -> list[tuple[int, int]]:
     """Fewest chunks of at most ``chunk_elements``, equal up to whole channels (no small tail round).
 
-    ``chunk_elements`` must be a whole number of channels (WorkerClient rounds it up).
+    With several shards, a bucket of at least ``shards * MIN_SHARD_SPLIT``
+    elements is cut into a multiple of ``shards`` chunks, so ``shard_for``
+    gives every shard an equal share of it. Otherwise the shard with one chunk
+    more sets the step's pace: a bucket whole on one of 2 shards, or 2 chunks
+    on 4 shards. ``chunk_elements`` must be a whole number of channels
+    (WorkerClient rounds it up); 0 never splits.
     """
-    if chunk_elements <= 0 or numel <= chunk_elements:
+    if chunk_elements <= 0:
         return [(0, numel)]
     count = -(-numel // chunk_elements)
+    balanced = -(-count // shards) * shards
+    if numel >= balanced * MIN_SHARD_SPLIT:
+        count = balanced
+    if count <= 1:
+        return [(0, numel)]
     size = -(-numel // count)
     size = -(-size // channel_size) * channel_size  # <= chunk_elements, itself whole channels
     return [(begin, min(begin + size, numel)) for begin in range(0, numel, size)]

@@ -198,7 +198,7 @@ class WorkerClient:
         values = np.asarray(array)
         flat = values.reshape(-1)
         out = output_buffer(out, flat.size)
-        pieces = chunk_bounds(flat.size, self.chunk_elements, self.config.channel_size)
+        pieces = chunk_bounds(flat.size, self.chunk_elements, self.config.channel_size, len(self._stubs))
         keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
         try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradq.client import AggregationError, WorkerClient, shard_for
-from gradq.client.chunks import assemble, chunk_bounds
+from gradq.client.chunks import MIN_SHARD_SPLIT, assemble, chunk_bounds, chunk_key
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -198,6 +198,38 @@ def test_chunks_are_equal_shares_of_whole_channels() -> None:
     assert chunk_bounds(5000, 2048, 512) == [(0, 2048), (2048, 4096), (4096, 5000)]
     assert chunk_bounds(6000, 2048, 8) == [(0, 2000), (2000, 4000), (4000, 6000)]  # no small tail round
     assert chunk_bounds(100, 0, 8) == [(0, 100)] == chunk_bounds(100, 100, 8)
+
+
+def test_large_buckets_are_cut_into_equal_shares_for_every_shard() -> None:
+    # One chunk's worth on 2 shards: halves. Two chunks' worth on 4 shards: quarters (by whole channels).
+    assert chunk_bounds(1_600_000, 1 << 21, 512, shards=2) == [(0, 800_256), (800_256, 1_600_000)]
+    assert len(chunk_bounds(4_200_000, 1 << 21, 512, shards=4)) == 4
+    # Below shards x MIN_SHARD_SPLIT elements a round's fixed cost outweighs the balance: not cut.
+    assert chunk_bounds(2 * MIN_SHARD_SPLIT - 1, 1 << 21, 1, shards=2) == [(0, 2 * MIN_SHARD_SPLIT - 1)]
+    assert chunk_bounds(1_600_000, 0, 512, shards=2) == [(0, 1_600_000)]  # 0 still never splits
+    # The 5.8M-parameter MLP's two DDP buckets: every shard count gets an equal share.
+    for shards in (2, 3, 4):
+        loads = [0] * shards
+        for bucket, numel in enumerate([4_216_842, 1_607_680]):
+            for index, (begin, end) in enumerate(chunk_bounds(numel, 1 << 21, 512, shards)):
+                loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
+        assert max(loads) / sum(loads) < 1 / shards + 0.001, (shards, loads)
+
+
+def test_a_bucket_under_one_chunk_still_spreads_over_two_shards(start: Start) -> None:
+    shards = [start(), start()]
+    addresses = [f"127.0.0.1:{s.port}" for s in shards]
+    numel = 2 * MIN_SHARD_SPLIT
+    results: dict[int, np.ndarray] = {}
+
+    def work(rank: int) -> None:
+        with WorkerClient(addresses, "spread", rank, 2, QuantConfig(scheme=Scheme.FLOAT32)) as client:
+            results[rank] = client.push_pull(0, 0, np.arange(numel, dtype=np.float32) * (rank + 1))
+
+    run_ranks(2, work)
+    assert [s.table.counters["rounds_completed"] for s in shards] == [1, 1]
+    for rank in (0, 1):
+        np.testing.assert_array_equal(results[rank], np.arange(numel, dtype=np.float32) * 1.5)
 
 
 def test_mean_is_decoded_into_the_given_buffer_across_chunks(start: Start) -> None:
