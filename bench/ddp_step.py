@@ -20,11 +20,11 @@ and the row shows their median. Seed 000's per-channel hook loops over
 
 The gradq rows push to a real aggregator (``python -m gradq.server``, one per
 world size, a distinct job per row). The seed rows run a faithful torch port of
-seed 000's two hooks, kept in this file as the baseline (see
-``seed_pertensor_hook``). PyTorch's own quantization hooks are not measured: on
-CPU/gloo they crash (IndexError: they index gloo's all_gather result as if it
-were NCCL's). All three allgather rows (the seed's two and gradq's vectorised
-one) start a bucket's all_gathers only once the previous bucket's are done
+seed 000's two hooks, kept in seed_hooks.py (shared with bench/network.py) as
+the baseline. PyTorch's own quantization hooks are not measured: on CPU/gloo
+they crash (IndexError: they index gloo's all_gather result as if it were
+NCCL's). All three allgather rows (the seed's two and gradq's vectorised one)
+start a bucket's all_gathers only once the previous bucket's are done
 (``ordered_buckets_hook``): they issue their second all_gather from inside a
 gloo callback, and with DDP's two buckets in flight that aborts or deadlocks.
 
@@ -52,11 +52,19 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from seed_hooks import (  # noqa: E402
+    SEED_CHANNEL_SIZE,
+    Hook,
+    OrderedBucketsState,
+    no_communication_hook,
+    ordered_buckets_hook,
+    seed_perchannel_hook,
+    seed_pertensor_hook,
+)
 from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -66,8 +74,6 @@ from gradq.client.ddp_hook import GradqHookState, gradq_hook  # noqa: E402
 from gradq.client.demo import free_port, local_aggregator  # noqa: E402
 from gradq.qcore import METADATA_BYTES, QuantConfig, Scheme, wire_size  # noqa: E402
 
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
 LAYERS = (784, 2048, 2048, 10)
 BATCH_SIZE = 32
 CLASSES = 10
@@ -76,8 +82,6 @@ LEARNING_RATE = 0.01
 SEED = 0
 FP32_BYTES = 4
 FP16_BYTES = 2
-SEED_QMAX = 255  # seed 000 quantizes to uint8 levels 0..255
-SEED_CHANNEL_SIZE = 512  # seed 000's per-channel ``bucket_size``
 SLOW_WARMUP_STEPS = 1  # seed per-channel: enough for DDP's bucket rebuild, it has nothing to compile
 PROGRESS_EVERY = 5  # iterations between rank 0's progress lines
 # Time targets hold at this world size; wire targets at every one.
@@ -89,146 +93,7 @@ TARGET_WIRE_RATIO = {8: 0.26, 4: 0.14}
 WIRE_GROWTH_TOLERANCE = 1.001
 
 
-# -- seed 000's hooks, ported from tensorplay to torch -------------------------------------------
-#
-# Kept as the seed wrote them (uint8 affine, its own min/max observers with
-# .item() per channel, Python loops over channels, two all_gathers, nested
-# futures). One change: gloo's all_gather future holds the output list itself,
-# where NCCL's holds [output list], so the seed's ``fut.wait()[0]`` reads
-# ``fut.wait()`` here (indexing gloo's result with [0] is what crashes PyTorch's
-# copy of these hooks on CPU).
-
-
-def _seed_quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
-    y = torch.round(x / scale) + zero_point
-    return torch.clamp(y, 0, SEED_QMAX).to(torch.uint8)
-
-
-def _seed_dequantize_per_tensor(y: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
-    return scale * (y.to(torch.float32) - zero_point)
-
-
-def _seed_quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    y = torch.zeros(x.shape, device=x.device)
-    for i in range(x.size(0)):
-        y[i, :] = torch.round(x[i, :] / scale[i]) + zero_point[i]
-    return torch.clamp(y, 0, SEED_QMAX).to(torch.uint8)
-
-
-def _seed_dequantize_per_channel(y: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    levels = y.to(torch.float32)
-    x = torch.zeros_like(levels)
-    for i in range(x.size(0)):
-        x[i, :] = scale[i] * (levels[i, :] - zero_point[i])
-    return x
-
-
-def _seed_qparams(min_val: float, max_val: float) -> tuple[float, int]:
-    if max_val == min_val:
-        return 1.0, 0
-    scale = (max_val - min_val) / float(SEED_QMAX)
-    zero_point = round(0 - min_val / scale)  # the seed wraps it in int(); round() of a float already is one
-    return scale, max(0, min(SEED_QMAX, zero_point))
-
-
-def _seed_qparams_per_channel(channels: torch.Tensor) -> torch.Tensor:
-    """The seed's per-channel observer: one .item() per channel for min and for max; (2, C) float32."""
-    min_vals = [channels[i].min().item() for i in range(channels.size(0))]
-    max_vals = [channels[i].max().item() for i in range(channels.size(0))]
-    pairs = [_seed_qparams(low, high) for low, high in zip(min_vals, max_vals, strict=True)]
-    scales = torch.tensor([scale for scale, _ in pairs], dtype=torch.float32)
-    zero_points = torch.tensor([zero_point for _, zero_point in pairs], dtype=torch.int64)
-    return torch.stack((scales, zero_points))  # promoted to float32, as in the seed
-
-
-def _seed_gather_list(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    return [torch.zeros_like(tensor) for _ in range(world_size)]
-
-
-def seed_pertensor_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Seed 000's ``quantization_pertensor_hook``: uint8 per-tensor affine over two all_gathers.
-
-    Args:
-        process_group: group to average over (None: the default group).
-        bucket: DDP's gradient bucket.
-
-    Returns:
-        Future of the mean bucket.
-    """
-    group = process_group if process_group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    tensor = bucket.buffer()
-    scale, zero_point = _seed_qparams(tensor.min().item(), tensor.max().item())
-    s_and_z = torch.tensor([scale, zero_point], dtype=torch.float32)
-    all_ranks_s_and_z = _seed_gather_list(s_and_z, world_size)
-    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
-
-    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
-        gathered = fut.wait()
-        quantized = _seed_quantize_per_tensor(tensor, gathered[rank][0].item(), gathered[rank][1].item())
-        out = _seed_gather_list(quantized, world_size)
-        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
-
-    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        all_ranks_quantized = fut.wait()
-        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
-        for r, quantized in enumerate(all_ranks_quantized):
-            aggregated += _seed_dequantize_per_tensor(
-                quantized, all_ranks_s_and_z[r][0].item(), all_ranks_s_and_z[r][1].item()
-            )
-        return aggregated / world_size
-
-    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
-
-
-def seed_perchannel_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Seed 000's ``quantization_perchannel_hook``: uint8 affine per 512-element channel, Python loops.
-
-    Args:
-        process_group: group to average over (None: the default group).
-        bucket: DDP's gradient bucket.
-
-    Returns:
-        Future of the mean bucket.
-    """
-    group = process_group if process_group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    tensor = bucket.buffer()
-    # As in the seed: a whole channel of padding when the length is already a multiple.
-    padding = SEED_CHANNEL_SIZE - len(tensor) % SEED_CHANNEL_SIZE
-    tensor_in_channels = nn.functional.pad(tensor, (0, padding), value=0.0).view(-1, SEED_CHANNEL_SIZE)
-    s_and_z = _seed_qparams_per_channel(tensor_in_channels)
-    all_ranks_s_and_z = _seed_gather_list(s_and_z, world_size)
-    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
-
-    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
-        gathered = fut.wait()
-        quantized = _seed_quantize_per_channel(tensor_in_channels, gathered[rank][0, :], gathered[rank][1, :])
-        out = _seed_gather_list(quantized, world_size)
-        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
-
-    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        all_ranks_quantized = fut.wait()
-        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
-        for r, quantized in enumerate(all_ranks_quantized):
-            aggregated += _seed_dequantize_per_channel(quantized, all_ranks_s_and_z[r][0], all_ranks_s_and_z[r][1])
-        return aggregated.reshape(-1)[: tensor.size(0)] / world_size
-
-    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
-
-
-# -- the other hooks and what each allgather row puts on the wire ---------------------------------
-
-
-def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Hand DDP its own bucket back at once: the step without any communication."""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
+# -- what each allgather row puts on the wire ----------------------------------------------------
 
 
 def _seed_pertensor_gather_bytes(numel: int) -> int:
@@ -243,38 +108,6 @@ def _seed_perchannel_gather_bytes(numel: int) -> int:
 def _gradq_allgather_gather_bytes(numel: int) -> int:
     # The hook gathers the payload and the qparams, not the wire message's fixed fields.
     return wire_size(numel, QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8)) - METADATA_BYTES
-
-
-class OrderedBucketsState:
-    """State of ``ordered_buckets_hook``: the allgather hook measured, the chain in flight, bucket sizes."""
-
-    __slots__ = (
-        "bucket_numels",  # bucket index -> elements, as of the latest step (DDP's rebuilt layout)
-        "hook",  # the allgather hook measured, called with state None (the default group)
-        "in_flight",  # the previous bucket's future this step; None before the first bucket
-    )
-
-    def __init__(self, hook: Hook) -> None:
-        self.hook = hook
-        self.bucket_numels: dict[int, int] = {}
-        self.in_flight: torch.futures.Future[torch.Tensor] | None = None
-
-
-def ordered_buckets_hook(state: OrderedBucketsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run ``state.hook`` on ``bucket`` once the previous bucket's future is done; record the bucket's size.
-
-    The allgather hooks issue their second all_gather from inside gloo's
-    completion callback. With two buckets in flight the ranks then issue
-    collectives in different orders (gloo aborts: "Received data size doesn't
-    match expected size") or block both of gloo's worker threads (deadlock).
-    One chain at a time keeps every rank's order the same.
-    """
-    if state.in_flight is not None:
-        state.in_flight.wait()
-    state.bucket_numels[bucket.index()] = bucket.buffer().numel()
-    future = state.hook(None, bucket)
-    state.in_flight = None if bucket.is_last() else future
-    return future
 
 
 def ring_allreduce_bytes(numel: int, world_size: int, element_bytes: int) -> float:

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +21,7 @@ import netns
 import torch
 import torch.distributed as dist
 from network_report import Method, MethodResult
+from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -33,16 +34,11 @@ __all__ = [
     "METHODS",
     "METHOD_BY_KEY",
     "RankSpec",
-    "seed_pertensor_hook",
-    "serial_buckets_hook",
-    "no_communication_hook",
     "timed_hook",
     "build_model",
     "measure_method",
     "rank_main",
 ]
-
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 MODELS = {
     "mlp-5.8m": (784, 2048, 2048, 10),  # 5,824,522 parameters
@@ -68,136 +64,6 @@ CLASSES = 10
 DISTINCT_BATCHES = 4  # synthetic, fixed per rank, cycled through
 LEARNING_RATE = 0.01
 SEED = 0
-
-
-# -- seed 000's per-tensor hook, ported from tensorplay to torch ------------------------------------
-#
-# As the seed wrote it: its min/max observer with .item(), uint8 affine levels,
-# two all_gathers, the second issued and waited on inside the first one's
-# callback. One change: gloo's all_gather future holds the output list itself
-# (NCCL's holds [output list]), so the seed's ``fut.wait()[0]`` reads ``fut.wait()``.
-
-SEED_QMIN, SEED_QMAX = 0, 255
-
-
-class _SeedMinMaxObserver:
-    def __init__(self) -> None:
-        self.min_val = 0.0
-        self.max_val = 0.0
-
-    def __call__(self, tensor: torch.Tensor) -> "_SeedMinMaxObserver":
-        self.min_val = tensor.min().item()
-        self.max_val = tensor.max().item()
-        return self
-
-    def calculate_qparams(self) -> tuple[float, int]:
-        if self.max_val == self.min_val:
-            return 1.0, SEED_QMIN
-        scale = (self.max_val - self.min_val) / float(SEED_QMAX - SEED_QMIN)
-        zero_point = round(SEED_QMIN - self.min_val / scale)  # the seed wraps it in int(): already one
-        return scale, max(SEED_QMIN, min(SEED_QMAX, zero_point))
-
-
-def _seed_quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
-    y = torch.round(x / scale) + zero_point
-    return torch.clamp(y, SEED_QMIN, SEED_QMAX).to(torch.uint8)
-
-
-def _seed_dequantize_per_tensor(y: torch.Tensor, scale: float, zero_point: float) -> torch.Tensor:
-    return scale * (y.to(torch.float32) - zero_point)
-
-
-def _seed_allgather_out_list(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    return [torch.zeros_like(tensor) for _ in range(world_size)]
-
-
-def seed_pertensor_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Seed 000's ``quantization_pertensor_hook``: uint8 per-tensor affine over two all_gathers.
-
-    Args:
-        process_group: group to average over (None: the default group).
-        bucket: DDP's gradient bucket.
-
-    Returns:
-        Future of the mean bucket.
-    """
-    group = process_group if process_group is not None else dist.group.WORLD
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    tensor = bucket.buffer()
-    scale, zero_point = _SeedMinMaxObserver()(tensor).calculate_qparams()
-    s_and_z = torch.tensor([scale, zero_point], dtype=torch.float32)
-    all_ranks_s_and_z = _seed_allgather_out_list(s_and_z, world_size)
-    fut = dist.all_gather(all_ranks_s_and_z, s_and_z, group=group, async_op=True).get_future()
-
-    def quantize_and_allgather(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
-        gathered = fut.wait()
-        quantized = _seed_quantize_per_tensor(tensor, gathered[rank][0].item(), gathered[rank][1].item())
-        out = _seed_allgather_out_list(quantized, world_size)
-        return dist.all_gather(out, quantized, group=group, async_op=True).get_future().wait()
-
-    def dequantize_and_aggregate(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        all_ranks_quantized = fut.wait()
-        aggregated = torch.zeros(all_ranks_quantized[0].shape, device=tensor.device, dtype=torch.float32)
-        for r, quantized in enumerate(all_ranks_quantized):
-            aggregated += _seed_dequantize_per_tensor(
-                quantized, all_ranks_s_and_z[r][0].item(), all_ranks_s_and_z[r][1].item()
-            )
-        return aggregated / world_size
-
-    return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
-
-
-class SerialBucketsState:
-    """State of ``serial_buckets_hook``: the allgather hook it runs and the previous bucket's future."""
-
-    __slots__ = (
-        "hook",  # the hook run on each bucket, with process group None (the default group)
-        "in_flight",  # this step's previous bucket; None before the first bucket of a step
-    )
-
-    def __init__(self, hook: Hook) -> None:
-        self.hook = hook
-        self.in_flight: torch.futures.Future[torch.Tensor] | None = None
-
-
-def serial_buckets_hook(state: SerialBucketsState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run ``state.hook`` on ``bucket`` after the previous bucket's future is done.
-
-    The seed's hook issues its second all_gather from gloo's completion callback;
-    with two buckets in flight the ranks issue collectives in different orders (run
-    bare at world 4, torch 2.13, gloo aborts the ranks with ``gloo::EnforceNotMet``
-    on the first step with two buckets). One bucket at a time keeps every rank's
-    order the same, at the price of overlap: the hook blocks backward meanwhile.
-
-    Args:
-        state: the wrapped hook and the bucket in flight.
-        bucket: DDP's gradient bucket.
-
-    Returns:
-        The wrapped hook's future for ``bucket``.
-    """
-    if state.in_flight is not None:
-        state.in_flight.wait()
-    future = state.hook(None, bucket)
-    state.in_flight = None if bucket.is_last() else future
-    return future
-
-
-def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Hand DDP its own bucket back at once: the step's compute alone.
-
-    Args:
-        state: unused.
-        bucket: DDP's gradient bucket.
-
-    Returns:
-        A completed future holding the bucket unchanged.
-    """
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
 
 
 # -- timing the buckets of one step ----------------------------------------------------------------
@@ -307,7 +173,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":
-        return serial_buckets_hook, SerialBucketsState(seed_pertensor_hook), None
+        return ordered_buckets_hook, OrderedBucketsState(seed_pertensor_hook), None
     if method.key == "fp16":
         return fp16_compress_hook, None, None  # process group None: the default group
     raise ValueError(f"method={method.key!r} has no hook; expected one of {', '.join(METHOD_BY_KEY)}")

@@ -227,7 +227,7 @@ FOOTNOTES = """\
     ready (backward's compute done) -> backward returns; overlap = (window - tail) /
     window, the share of the communication window during which backward still computed.
     The seed rows' hook blocks backward until the previous bucket is done (see
-    serial_buckets_hook), which stretches the first part: their overlap overstates.
+    seed_hooks.ordered_buckets_hook), which stretches the first part: their overlap overstates.
 [c] tx/rx byte counters of the worker's own veth over the timed steps (between two
     barriers), divided by the steps: payload plus gRPC/HTTP2, gloo and TCP/IP framing.
     Mean over the workers. The veth counts TCP/IP headers once per GSO packet (up to
