@@ -21,6 +21,7 @@ from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
 from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
+from gradq.client.window import check_max_in_flight
 from gradq.client.worker import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, QuantizedArray, Rounding
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 FALLBACKS = ("error", "allreduce", "allgather")
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+# DDP pushes every rank's buckets in the same order, so the hook may hold pushes back.
+DEFAULT_HOOK_IN_FLIGHT = 2
 
 
 class GradqHookState:
@@ -51,6 +55,9 @@ class GradqHookState:
         process_group: the group DDP reduces over (None: the default group).
         security: TLS, mutual TLS and/or bearer token for the aggregator channels.
         chunk_elements: buckets above this travel as several rounds (see WorkerClient).
+        max_in_flight: pushes per shard on the wire at once (see
+            gradq.client.window): 2 lets one chunk arrive while the previous
+            one's mean leaves; None sends a step's chunks all at once.
     """
 
     __slots__ = (
@@ -65,6 +72,7 @@ class GradqHookState:
         "error_feedback",  # whether residuals are kept
         "fallback",  # behaviour when the aggregator is unreachable at start
         "job_id",  # round namespace on the aggregator, same on every rank
+        "max_in_flight",  # pushes per shard on the wire at once
         "process_group",  # DDP's group; left out of the pickled form
         "security",  # TLS / token for the channels (plain bytes, so it pickles)
         "step",  # iteration counter: with the bucket index, the round key
@@ -84,6 +92,7 @@ class GradqHookState:
         process_group: dist.ProcessGroup | None = None,
         security: ChannelSecurity | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        max_in_flight: int | None = DEFAULT_HOOK_IN_FLIGHT,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -103,6 +112,8 @@ class GradqHookState:
         self.process_group = process_group
         self.security = security
         self.chunk_elements = chunk_elements
+        check_max_in_flight(max_in_flight)
+        self.max_in_flight = max_in_flight
         self.step = 0
         self._client: WorkerClient | None = None
         self._mode: str | None = None
@@ -173,6 +184,7 @@ class GradqHookState:
             timeout_s=self.timeout_s,
             security=self.security,
             chunk_elements=self.chunk_elements,
+            max_in_flight=self.max_in_flight,
         )
         failure: AggregationError | None = None
         try:

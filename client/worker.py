@@ -17,6 +17,7 @@ from gradq.client import serde
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, assemble, chunk_bounds, chunk_key, output_buffer, shard_for
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats, StatsRecorder
+from gradq.client.window import ShardWindow
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
@@ -63,6 +64,9 @@ class WorkerClient:
         log_every_s: log a one-line ``stats()`` summary at most this often (None: never).
         chunk_elements: buckets above this many elements travel as several
             rounds (rounded up to whole channels); 0 never splits.
+        max_in_flight: pushes per shard on the wire at once, the rest waiting
+            in order (see gradq.client.window); None sends every push at once.
+            Set it only when every rank pushes in the same order, as DDP does.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class WorkerClient:
         security: ChannelSecurity | None = None,
         log_every_s: float | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        max_in_flight: int | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -118,6 +123,7 @@ class WorkerClient:
         self._joined = [False] * len(self.addresses)
         self._stats = StatsRecorder(log_every_s)
         self._pushes_since_sample = 0
+        self._window: ShardWindow[_PendingPush] = ShardWindow(len(self.addresses), max_in_flight)
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -141,7 +147,10 @@ class WorkerClient:
         self._joined[shard] = True
 
     def close(self) -> None:
-        """Leave the job on every shard joined (best effort) and close the channels."""
+        """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
+        for pending in self._window.drain():
+            address = self.addresses[pending.shard]
+            pending.result.set_exception(AggregationError(address, None, "client closed before the push was sent"))
         request = serde.leave_request(self.job_id, self.rank)
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
@@ -313,8 +322,29 @@ class WorkerClient:
         return pending.result
 
     def _send(self, pending: _PendingPush) -> None:
+        if self._window.admit(pending.shard, pending):
+            self._start(pending)
+
+    def _start(self, pending: _PendingPush) -> None:
+        """Transmit a push that holds a window slot; the slot passes on once the push settles."""
+        if self._window.limit is not None:
+            pending.result.add_done_callback(lambda _: self._pass_slot(pending.shard))
+        self._transmit(pending)
+
+    def _pass_slot(self, shard: int) -> None:
+        waiting = self._window.release(shard)
+        if waiting is not None:
+            self._start(waiting)
+
+    def _transmit(self, pending: _PendingPush) -> None:
         pending.sent_at = time.perf_counter()
-        call = self._push_pulls[pending.shard].future(pending.request, timeout=self.timeout_s, metadata=self._metadata)
+        try:
+            call = self._push_pulls[pending.shard].future(
+                pending.request, timeout=self.timeout_s, metadata=self._metadata
+            )
+        except ValueError as error:  # the channel was closed: fail through the future, like any RPC error
+            pending.result.set_exception(AggregationError(self.addresses[pending.shard], None, str(error)))
+            return
         call.add_done_callback(lambda done: self._on_reply(done, pending))
 
     def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:
@@ -361,7 +391,7 @@ class WorkerClient:
         except AggregationError as error:
             pending.result.set_exception(error)
             return
-        self._send(pending)
+        self._transmit(pending)  # still holding its window slot
 
 
 @dataclass(slots=True)

@@ -1,0 +1,82 @@
+"""ShardWindow on its own, and WorkerClient holding pushes back with it against a real aggregator."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gradq.client import AggregationError, WorkerClient
+from gradq.client.ddp_hook import GradqHookState
+from gradq.client.window import ShardWindow
+from gradq.qcore import QuantConfig, Scheme
+from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.policy import RoundPolicy
+
+EXACT = QuantConfig(scheme=Scheme.FLOAT32)
+
+
+def test_window_admits_up_to_its_limit_per_shard_then_hands_slots_on_in_order() -> None:
+    window: ShardWindow[str] = ShardWindow(shards=2, limit=2)
+    assert [window.admit(0, name) for name in ("a", "b", "c", "d")] == [True, True, False, False]
+    assert window.admit(1, "x")  # another shard has its own slots
+    assert window.release(0) == "c"  # c takes over the settled push's slot
+    assert window.release(0) == "d"
+    assert window.release(0) is None and window.release(0) is None  # both slots free again
+    assert window.admit(0, "e") and window.admit(0, "f") and not window.admit(0, "g")
+    assert window.drain() == ["g"] and window.drain() == []
+
+
+def test_window_without_a_limit_admits_everything() -> None:
+    window: ShardWindow[int] = ShardWindow(shards=1, limit=None)
+    assert all(window.admit(0, index) for index in range(100))
+    assert window.release(0) is None
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, "2"])
+def test_invalid_limits_are_refused_naming_the_field(limit: object) -> None:
+    with pytest.raises(ValueError, match=r"max_in_flight=.* expected an integer >= 1, or None"):
+        ShardWindow(1, limit)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_in_flight="):
+        GradqHookState("127.0.0.1:1", max_in_flight=limit)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def server() -> Iterator[AggregatorServer]:
+    aggregator = AggregatorServer(RoundPolicy(world_size=2, round_timeout_s=10.0), ServerOptions("127.0.0.1:0"))
+    aggregator.start()
+    yield aggregator
+    aggregator.stop()
+
+
+def test_a_held_back_push_goes_out_once_the_one_before_it_settles(server: AggregatorServer) -> None:
+    address = f"127.0.0.1:{server.port}"
+    ones, twos = np.ones(64, np.float32), np.full(64, 2.0, np.float32)
+    with (
+        WorkerClient(address, "window", 0, 2, EXACT, max_in_flight=1) as held,
+        WorkerClient(address, "window", 1, 2, EXACT) as free,
+    ):
+        first = held.push_pull_async(0, 0, ones)
+        second = held.push_pull_async(0, 1, ones)  # waits: bucket 0 is still in flight
+        other_second = free.push_pull_async(0, 1, twos)
+        time.sleep(0.5)
+        # Rank 0's bucket 1 has not reached the aggregator, so its round cannot finish.
+        assert not other_second.done() and not second.done()
+        other_first = free.push_pull_async(0, 0, twos)  # round 0 completes; rank 0's bucket 1 goes out
+        for future in (first, second, other_first, other_second):
+            np.testing.assert_array_equal(future.result(timeout=10), np.full(64, 1.5, np.float32))
+    assert server.table.counters["rounds_completed"] == 2
+
+
+def test_closing_fails_the_pushes_still_waiting_instead_of_hanging(server: AggregatorServer) -> None:
+    client = WorkerClient(f"127.0.0.1:{server.port}", "closing", 0, 2, EXACT, max_in_flight=1, timeout_s=30.0)
+    client.join()
+    in_flight = client.push_pull_async(0, 0, np.ones(8, np.float32))  # rank 1 never comes
+    waiting = client.push_pull_async(0, 1, np.ones(8, np.float32))
+    client.close()
+    with pytest.raises(AggregationError, match="client closed before the push was sent"):
+        waiting.result(timeout=5)
+    with pytest.raises(AggregationError):
+        in_flight.result(timeout=5)  # the closed channel cancels it
