@@ -54,7 +54,7 @@ import network_report
 from network_rank import METHOD_BY_KEY, MODELS, RankSpec, rank_main
 from network_report import MethodResult, Row, Scenario
 
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.chunks import SLOW_LINK_CHUNK_ELEMENTS
 
 SHARD_METHODS = ("gradq8-1", "gradq8-2", "gradq8-4")  # the bottleneck scenario's rows
 PRESETS: dict[str, dict[str, Any]] = {
@@ -294,9 +294,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chunk-elements",
         type=_positive,
-        default=DEFAULT_CHUNK_ELEMENTS,
-        help="gradq's largest round (GradqHookState.chunk_elements); smaller rounds overlap a shard's inbound and "
-        "outbound traffic better on slow links but cost fixed CPU each",
+        default=SLOW_LINK_CHUNK_ELEMENTS,
+        help="gradq's largest round (GradqHookState.chunk_elements): the library's choice for slow links; pass "
+        "2097152 for its default, which suits fast links and loopback",
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the report files")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")

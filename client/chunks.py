@@ -15,6 +15,7 @@ __all__ = [
     "CHUNK_KEY_STRIDE",
     "DEFAULT_CHUNK_ELEMENTS",
     "MIN_SHARD_SPLIT",
+    "SLOW_LINK_CHUNK_ELEMENTS",
     "assemble",
     "chunk_bounds",
     "chunk_key",
@@ -22,11 +23,18 @@ __all__ = [
     "shard_for",
 ]
 
-# Largest round a bucket is cut into. Each round costs fixed CPU on both ends
-# (about half a millisecond on loopback), while smaller rounds let one chunk's
-# mean come back while the next is pushed on a slow link: 2^21 measured within
-# 4% of the best of 2^20..2^22 in bench/ddp_step.py and bench/network.py alike.
+# Largest round a bucket is cut into, by default. Every round costs gRPC's
+# per-call CPU at both ends (about 0.6 ms over a client and the aggregator),
+# which sets the pace where the link is fast: on loopback, world 2, the 8-bit
+# step took 50 ms at 2^21 against 54-56 at 2^20 and 58-62 at 2^19.
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
+
+# The better choice where links, not CPU, set the pace (about 1 Gbit/s or
+# slower): a shard gets several chunks per step, so with the DDP hook's two
+# pushes in flight one chunk arrives while the last one's mean leaves. At world
+# 4 with 2 shards, 8-bit: 208 -> 180 ms at 1 Gbit/s, 1550 -> 1237 ms at
+# 100 Mbit/s; on loopback 50 -> 58..62 ms (bench/network.py, bench/ddp_step.py).
+SLOW_LINK_CHUNK_ELEMENTS = 1 << 19
 
 # Smallest chunk cut only to spread a bucket over the shards: below this a
 # round's fixed cost (about 1 ms of CPU over the ranks and the aggregator on
