@@ -7,6 +7,7 @@ shard, so these rules are plain functions of the bucket's size and index.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 
 import numpy as np
@@ -78,11 +79,14 @@ def chunk_bounds(numel: int, chunk_elements: int, channel_size: int, shards: int
     balanced = -(-count // shards) * shards
     if numel >= balanced * MIN_SHARD_SPLIT:
         count = balanced
+    channels = -(-numel // channel_size)
+    count = min(count, channels)
     if count <= 1:
         return [(0, numel)]
-    size = -(-numel // count)
-    size = -(-size // channel_size) * channel_size  # <= chunk_elements, itself whole channels
-    return [(begin, min(begin + size, numel)) for begin in range(0, numel, size)]
+    # Whole channels, spread so chunk sizes differ by at most one channel: exactly
+    # ``count`` chunks, each at most chunk_elements (it is whole channels too).
+    edges = [min(channels * index // count * channel_size, numel) for index in range(count + 1)]
+    return list(itertools.pairwise(edges))
 
 
 def assemble(

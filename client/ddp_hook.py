@@ -130,7 +130,9 @@ class GradqHookState:
         return {name: getattr(self, name) for name in self.__slots__ if name not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
+        # Fields added since the first release, for states pickled before them.
+        defaults = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "max_in_flight": DEFAULT_HOOK_IN_FLIGHT}
+        for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
         self.process_group = None
         self._client = None

@@ -44,13 +44,17 @@ class ShardWindow(Generic[T]):
         self._in_flight = [0] * shards
         self._waiting: list[collections.deque[T]] = [collections.deque() for _ in range(shards)]
         self._lock = threading.Lock()
+        self.closed = False
 
     def admit(self, shard: int, item: T) -> bool:
-        """True: send ``item`` now and ``release`` once it settles. False: it waits its turn."""
+        """True: send ``item`` now and ``release`` once it settles. False: it waits its turn.
+
+        After ``close`` everything is sent at once, to fail on the closed channel.
+        """
         if self.limit is None:
             return True
         with self._lock:
-            if self._in_flight[shard] < self.limit:
+            if self.closed or self._in_flight[shard] < self.limit:
                 self._in_flight[shard] += 1
                 return True
             self._waiting[shard].append(item)
@@ -66,9 +70,17 @@ class ShardWindow(Generic[T]):
             self._in_flight[shard] -= 1
             return None
 
-    def drain(self) -> list[T]:
-        """Every item still waiting, removed (the client is closing)."""
+    def drain(self, shard: int) -> list[T]:
+        """The items waiting for ``shard``, removed (it is unreachable: they would only queue for a failure)."""
         with self._lock:
+            items = list(self._waiting[shard])
+            self._waiting[shard].clear()
+            return items
+
+    def close(self) -> list[T]:
+        """Admit everything from now on; returns the items still waiting, removed."""
+        with self._lock:
+            self.closed = True
             items = [item for waiting in self._waiting for item in waiting]
             for waiting in self._waiting:
                 waiting.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -14,7 +15,15 @@ import grpc
 import numpy as np
 
 from gradq.client import serde
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, assemble, chunk_bounds, chunk_key, output_buffer, shard_for
+from gradq.client.chunks import (
+    CHUNK_KEY_STRIDE,
+    DEFAULT_CHUNK_ELEMENTS,
+    assemble,
+    chunk_bounds,
+    chunk_key,
+    output_buffer,
+    shard_for,
+)
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow
@@ -148,9 +157,8 @@ class WorkerClient:
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
-        for pending in self._window.drain():
-            address = self.addresses[pending.shard]
-            pending.result.set_exception(AggregationError(address, None, "client closed before the push was sent"))
+        for pending in self._window.close():
+            self._fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
         request = serde.leave_request(self.job_id, self.rank)
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
@@ -310,42 +318,59 @@ class WorkerClient:
                 the mean into; None allocates one.
         """
         shard = shard_for(bucket, len(self._stubs))
-        if not self._joined[shard]:
-            self._join_shard(shard)
-        request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor, non_finite)
-        if not counted:
-            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         flat_shape = (tensor.numel,) if shape is None else shape
         out = output_buffer(out, tensor.numel)
-        pending = _PendingPush(shard, step, request, flat_shape, out, concurrent.futures.Future())
-        self._send(pending)
+        pending = _PendingPush(shard, step, bucket, b"", flat_shape, out, concurrent.futures.Future())
+        pending.result.set_running_or_notify_cancel()  # settled only here: cancel() would free its slot early
+        if self._window.closed:
+            self._fail(pending, grpc.StatusCode.CANCELLED, "the client is closed")
+            return pending.result
+        if not self._joined[shard]:
+            self._join_shard(shard)
+        pending.request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor, non_finite)
+        if not counted:
+            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
+        if self._window.admit(shard, pending):
+            self._start(pending)
         return pending.result
 
-    def _send(self, pending: _PendingPush) -> None:
-        if self._window.admit(pending.shard, pending):
-            self._start(pending)
+    def _start(self, pending: _PendingPush | None) -> None:
+        """Transmit pushes that hold a window slot; one failing at once hands its slot to the next in line.
 
-    def _start(self, pending: _PendingPush) -> None:
-        """Transmit a push that holds a window slot; the slot passes on once the push settles."""
-        if self._window.limit is not None:
-            pending.result.add_done_callback(lambda _: self._pass_slot(pending.shard))
-        self._transmit(pending)
+        A loop, not recursion: a closed channel fails a whole queue at once.
+        """
+        while pending is not None:
+            if self._transmit(pending):
+                if self._window.limit is not None:
+                    pending.result.add_done_callback(functools.partial(self._pass_slot, pending.shard))
+                return
+            pending = self._window.release(pending.shard)
 
-    def _pass_slot(self, shard: int) -> None:
-        waiting = self._window.release(shard)
-        if waiting is not None:
-            self._start(waiting)
+    def _pass_slot(self, shard: int, settled: object) -> None:
+        self._start(self._window.release(shard))  # ``settled``: the push that held the slot
 
-    def _transmit(self, pending: _PendingPush) -> None:
+    def _transmit(self, pending: _PendingPush) -> bool:
+        """Start the RPC; False when it failed at once (``pending`` is settled)."""
         pending.sent_at = time.perf_counter()
         try:
             call = self._push_pulls[pending.shard].future(
                 pending.request, timeout=self.timeout_s, metadata=self._metadata
             )
         except ValueError as error:  # the channel was closed: fail through the future, like any RPC error
-            pending.result.set_exception(AggregationError(self.addresses[pending.shard], None, str(error)))
-            return
+            self._fail(pending, grpc.StatusCode.CANCELLED, str(error))
+            return False
         call.add_done_callback(lambda done: self._on_reply(done, pending))
+        return True
+
+    def _fail(self, pending: _PendingPush, code: grpc.StatusCode | None, details: str) -> None:
+        bucket, chunk = pending.bucket % CHUNK_KEY_STRIDE, pending.bucket // CHUNK_KEY_STRIDE
+        where = f"step {pending.step} bucket {bucket} chunk {chunk}"
+        pending.result.set_exception(AggregationError(self.addresses[pending.shard], code, f"{where}: {details}"))
+
+    def _shard_down(self, shard: int, error: AggregationError) -> None:
+        """Fail the pushes waiting for ``shard`` now, rather than each after its own retries."""
+        for waiting in self._window.drain(shard):
+            self._fail(waiting, error.code, f"not sent: an earlier push to this shard failed ({error.details})")
 
     def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:
         code = call.code()
@@ -381,17 +406,29 @@ class WorkerClient:
             timer.daemon = True
             timer.start()
         else:
-            pending.result.set_exception(AggregationError(address, code, call.details() or ""))
+            failure = AggregationError(address, code, call.details() or "")
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._shard_down(pending.shard, failure)
+            pending.result.set_exception(failure)
 
     def _retry(self, pending: _PendingPush) -> None:
         # A restarted aggregator has forgotten the job: rejoin (idempotent; waits
         # up to timeout_s for the shard to come back), then resend the same push.
+        if self._window.closed:
+            self._fail(pending, grpc.StatusCode.CANCELLED, "the client closed while the push waited to retry")
+            return
         try:
             self._join_shard(pending.shard)
-        except AggregationError as error:
-            pending.result.set_exception(error)
+        except (AggregationError, ValueError) as error:  # ValueError: the channel closed meanwhile
+            failure = (
+                error
+                if isinstance(error, AggregationError)
+                else AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))
+            )
+            self._shard_down(pending.shard, failure)
+            pending.result.set_exception(failure)
             return
-        self._transmit(pending)  # still holding its window slot
+        self._transmit(pending)  # still holding its window slot; a failure settles it
 
 
 @dataclass(slots=True)
@@ -400,6 +437,7 @@ class _PendingPush:
 
     shard: int
     step: int
+    bucket: int  # the round key: bucket + chunk * CHUNK_KEY_STRIDE
     request: bytes  # the serialized PushPullRequest
     shape: tuple[int, ...]
     out: np.ndarray  # flat float32: the mean is decoded into it

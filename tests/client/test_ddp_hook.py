@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp_hook import GradqHookState
 from gradq.client.demo import free_port
 from gradq.qcore import QuantConfig, Scheme
@@ -115,6 +116,16 @@ def test_state_pickles_without_channels_or_groups() -> None:
     assert restored.addresses == ["a:1", "b:2"] and restored.config == state.config
     assert restored.error_feedback and restored.fallback == "allreduce"
     assert restored.client is None and restored.mode is None and restored.process_group is None
+    assert restored.max_in_flight == 2 and restored.chunk_elements == state.chunk_elements
+
+
+def test_a_state_pickled_before_newer_fields_restores_their_defaults() -> None:
+    state = GradqHookState("a:1", QuantConfig(bits=8), chunk_elements=4096, max_in_flight=None)
+    old = state.__getstate__()
+    del old["chunk_elements"], old["max_in_flight"]
+    restored = GradqHookState.__new__(GradqHookState)
+    restored.__setstate__(old)
+    assert restored.chunk_elements == DEFAULT_CHUNK_ELEMENTS and restored.max_in_flight == 2
 
 
 @pytest.mark.parametrize(

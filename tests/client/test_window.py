@@ -26,7 +26,10 @@ def test_window_admits_up_to_its_limit_per_shard_then_hands_slots_on_in_order() 
     assert window.release(0) == "d"
     assert window.release(0) is None and window.release(0) is None  # both slots free again
     assert window.admit(0, "e") and window.admit(0, "f") and not window.admit(0, "g")
-    assert window.drain() == ["g"] and window.drain() == []
+    assert window.admit(1, "y") and not window.admit(1, "z")
+    assert window.drain(0) == ["g"] and window.drain(0) == []  # one shard's queue
+    assert window.close() == ["z"]  # every shard's queue; from now on everything is sent at once
+    assert window.admit(0, "late") and window.admit(1, "later")
 
 
 def test_window_without_a_limit_admits_everything() -> None:
@@ -80,3 +83,43 @@ def test_closing_fails_the_pushes_still_waiting_instead_of_hanging(server: Aggre
         waiting.result(timeout=5)
     with pytest.raises(AggregationError):
         in_flight.result(timeout=5)  # the closed channel cancels it
+
+
+def test_closing_while_a_push_backs_off_settles_it_and_the_ones_behind_it(server: AggregatorServer) -> None:
+    client = WorkerClient(
+        f"127.0.0.1:{server.port}", "backoff", 0, 2, EXACT, max_in_flight=1, retry_backoff_s=1.0, timeout_s=5.0
+    )
+    client.join()
+    server.stop()  # pushes now fail with UNAVAILABLE and back off for a second
+    first = client.push_pull_async(0, 0, np.ones(8, np.float32))
+    second = client.push_pull_async(0, 1, np.ones(8, np.float32))
+    time.sleep(0.3)
+    client.close()
+    with pytest.raises(AggregationError, match="closed while the push waited to retry"):
+        first.result(timeout=5)
+    with pytest.raises(AggregationError, match="closed before the push was sent"):
+        second.result(timeout=5)
+
+
+def test_an_unreachable_shard_fails_every_waiting_push_at_once(server: AggregatorServer) -> None:
+    client = WorkerClient(
+        f"127.0.0.1:{server.port}", "outage", 0, 2, EXACT, max_in_flight=1, max_retries=1, retry_backoff_s=0.05
+    )
+    client.timeout_s = 1.0  # the rejoin's patience: one timeout for the whole queue, not one per push
+    client.join()
+    server.stop()
+    started = time.monotonic()
+    futures = [client.push_pull_async(0, bucket, np.ones(8, np.float32)) for bucket in range(6)]
+    errors = [future.exception(timeout=10) for future in futures]
+    assert all(isinstance(error, AggregationError) for error in errors)
+    assert all("not sent: an earlier push to this shard failed" in str(error) for error in errors[1:])
+    assert time.monotonic() - started < 4.0
+    client.close()
+
+
+def test_pushes_after_close_fail_at_once(server: AggregatorServer) -> None:
+    client = WorkerClient(f"127.0.0.1:{server.port}", "late", 0, 2, EXACT, max_in_flight=1)
+    client.join()
+    client.close()
+    futures = [client.push_pull_async(0, bucket, np.ones(8, np.float32)) for bucket in range(400)]
+    assert all("the client is closed" in str(future.exception(timeout=5)) for future in futures)

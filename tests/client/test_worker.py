@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradq.client import AggregationError, WorkerClient, shard_for
 from gradq.client.chunks import MIN_SHARD_SPLIT, assemble, chunk_bounds, chunk_key
@@ -194,15 +197,39 @@ def test_large_buckets_travel_as_chunks_spread_over_the_shards(start: Start) -> 
 
 
 def test_chunks_are_equal_shares_of_whole_channels() -> None:
-    # Three rounds either way; their share (ceil(5000 / 3) = 1667) is rounded up to whole channels.
-    assert chunk_bounds(5000, 2048, 512) == [(0, 2048), (2048, 4096), (4096, 5000)]
+    # Three rounds; 10 channels of 512 (the last one partial) split 3 / 3 / 4.
+    assert chunk_bounds(5000, 2048, 512) == [(0, 1536), (1536, 3072), (3072, 5000)]
     assert chunk_bounds(6000, 2048, 8) == [(0, 2000), (2000, 4000), (4000, 6000)]  # no small tail round
     assert chunk_bounds(100, 0, 8) == [(0, 100)] == chunk_bounds(100, 100, 8)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    numel=st.integers(0, 1 << 23),
+    channels_per_chunk=st.integers(1, 1 << 12),
+    channel_size=st.sampled_from([1, 8, 512, 4096]),
+    shards=st.integers(1, 5),
+)
+def test_chunk_bounds_cover_the_bucket_in_whole_channels_and_balance_the_shards(
+    numel: int, channels_per_chunk: int, channel_size: int, shards: int
+) -> None:
+    chunk_elements = channels_per_chunk * channel_size
+    bounds = chunk_bounds(numel, chunk_elements, channel_size, shards)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(end == begin for (_, end), (begin, _) in itertools.pairwise(bounds))  # contiguous, in order
+    assert all(begin % channel_size == 0 for begin, _ in bounds)
+    if len(bounds) > 1:
+        assert all(end - begin <= chunk_elements for begin, end in bounds)
+        full = [end - begin for begin, end in bounds[:-1]]  # the last may end in a partial channel
+        assert max(full) - min(full) <= channel_size  # equal up to one channel
+    rounds = -(-numel // chunk_elements)
+    if shards > 1 and numel > 0 and numel >= -(-rounds // shards) * shards * MIN_SHARD_SPLIT:
+        assert len(bounds) % shards == 0, (len(bounds), shards)  # every shard an equal number of chunks
+
+
 def test_large_buckets_are_cut_into_equal_shares_for_every_shard() -> None:
     # One chunk's worth on 2 shards: halves. Two chunks' worth on 4 shards: quarters (by whole channels).
-    assert chunk_bounds(1_600_000, 1 << 21, 512, shards=2) == [(0, 800_256), (800_256, 1_600_000)]
+    assert chunk_bounds(1_600_000, 1 << 21, 512, shards=2) == [(0, 799_744), (799_744, 1_600_000)]
     assert len(chunk_bounds(4_200_000, 1 << 21, 512, shards=4)) == 4
     # Below shards x MIN_SHARD_SPLIT elements a round's fixed cost outweighs the balance: not cut.
     assert chunk_bounds(2 * MIN_SHARD_SPLIT - 1, 1 << 21, 1, shards=2) == [(0, 2 * MIN_SHARD_SPLIT - 1)]
