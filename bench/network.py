@@ -22,9 +22,12 @@ thread per rank, synthetic batch of 32), a barrier. Each rank reads its device's
 tx/rx byte counters around the timed steps: the bytes really on the wire,
 protocol headers included. The hook of each row is wrapped to time its buckets,
 which shows how much of the communication overlaps backward. A last scenario
-limits only the aggregators' links to measure what a second shard adds when the
-aggregator link is the bottleneck. The report (markdown table, targets, PNG plot
-of step time vs link speed) goes to ``bench/results/network-<time>.*``.
+limits only the aggregators' links to measure what a second and a fourth shard
+add when the aggregator link is the bottleneck. gradq rows use rounds of at most
+``--chunk-elements`` (default: the library's SLOW_LINK_CHUNK_ELEMENTS, 2^19),
+and the hook's default of two pushes per shard in flight. The report (markdown
+table, targets, PNG plot of step time vs link speed) goes to
+``bench/results/network-<time>.*``.
 
 The machine's cores are shared by all ranks and the aggregators, so CPU, not the
 link, can set the pace at 1 Gbit/s; the compute-only row of each scenario shows
