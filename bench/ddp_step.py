@@ -56,6 +56,7 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from cpu_busy import CORES, CpuTimes, read_cpu_times  # noqa: E402
 from seed_hooks import (  # noqa: E402
     SEED_CHANNEL_SIZE,
     Hook,
@@ -182,6 +183,7 @@ class RankResult:
     numel: int  # model parameters
     sent_per_step: float  # wire bytes this worker sends per step
     received_per_step: float | None  # gradq: bytes pulled per step (the encoded means)
+    cpu: CpuTimes  # the machine's CPU times summed over the timed steps
 
 
 def _model() -> nn.Module:
@@ -213,6 +215,7 @@ class MethodRun:
 
     __slots__ = (
         "counters",  # gradq (bytes_sent, bytes_received) when timing began
+        "cpu",  # the machine's CPU times over the timed steps so far
         "method",  # the row
         "model",  # its own DDP model, same initial weights as every other method's
         "optimizer",  # plain SGD over ``model``
@@ -234,6 +237,7 @@ class MethodRun:
         self.stride = max(1, (spec.warmup + spec.steps) // (self.warmup + self.steps))
         self.step_seconds: list[float] = []
         self.counters = (0, 0)
+        self.cpu = CpuTimes()
 
     def _attach(self, spec: JobSpec) -> GradqHookState | OrderedBucketsState | None:
         method = self.method
@@ -264,11 +268,13 @@ class MethodRun:
         if index == self.warmup and isinstance(self.state, GradqHookState):
             self.counters = _gradq_counters(self.state)
         self.optimizer.zero_grad(set_to_none=True)
+        cpu_before = read_cpu_times()
         started = time.perf_counter()
         nn.functional.cross_entropy(self.model(batch[0]), batch[1]).backward()
         self.optimizer.step()
         if index >= self.warmup:
             self.step_seconds.append(time.perf_counter() - started)
+            self.cpu += read_cpu_times() - cpu_before
 
     def result(self, world_size: int) -> RankResult:
         """The measurements, with the wire bytes one worker sends (and, for gradq, pulls) per step."""
@@ -285,7 +291,7 @@ class MethodRun:
             sent = ring_allreduce_bytes(numel, world_size, method.ring_element_bytes)
         else:
             sent = 0.0
-        return RankResult(tuple(self.step_seconds), numel, sent, received)
+        return RankResult(tuple(self.step_seconds), numel, sent, received, self.cpu)
 
     def close(self) -> None:
         """Leave the gradq job, if any."""
@@ -356,6 +362,11 @@ class Row:
         """Wire bytes sent per worker per step over the fp32 gradient (4 x parameters)."""
         return self.result.sent_per_step / (FP32_BYTES * self.result.numel)
 
+    @property
+    def cpu_ms(self) -> float:
+        """Machine CPU time per timed step, all cores together."""
+        return 1e3 * self.result.cpu.busy_s / len(self.result.step_seconds)
+
 
 def _find(rows: Sequence[Row], key: str, world_size: int) -> Row | None:
     return next((row for row in rows if row.method.key == key and row.world_size == world_size), None)
@@ -369,17 +380,20 @@ def format_table(rows: Sequence[Row]) -> str:
     """The markdown table, one line per row."""
     lines = [
         "| method | world | timed steps | median ms/step | x vs allreduce | x vs seed per-tensor "
-        "| wire bytes/worker/step (sent) [a] | x fp32 | gradq pulled bytes/worker/step [b] |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| wire bytes/worker/step (sent) [a] | x fp32 | gradq pulled bytes/worker/step [b] "
+        f"| machine CPU ms/step [e] | cores busy % [e] | CPU ms / {CORES} cores [e] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         received = row.result.received_per_step
+        busy = row.result.cpu.busy_fraction
         lines.append(
             f"| {row.method.label} | {row.world_size} | {len(row.result.step_seconds)} | {1e3 * row.median_s:.1f} "
             f"| {_times(row, _find(rows, 'allreduce', row.world_size))} "
             f"| {_times(row, _find(rows, 'seed-pertensor', row.world_size))} "
             f"| {row.result.sent_per_step:,.0f} | {row.fp32_ratio:.3f} "
-            f"| {'-' if received is None else f'{received:,.0f}'} |"
+            f"| {'-' if received is None else f'{received:,.0f}'} "
+            f"| {row.cpu_ms:.1f} | {'-' if busy is None else f'{100 * busy:.0f}'} | {row.cpu_ms / CORES:.1f} |"
         )
     return "\n".join(lines)
 
@@ -399,6 +413,10 @@ FOOTNOTES = """\
     gloo completion callback; with DDP's two buckets (4.2M + 1.6M elements) in flight, ranks
     issue collectives in different orders (gloo aborts) or block both gloo worker threads.
 [d] Python loop over channels: {slow_steps} timed steps after {slow_warmup} warm-up, not {steps}.
+[e] /proc/stat over rank 0's timed steps (bench/cpu_busy.py): CPU time of the whole machine
+    (every rank, the aggregator, the kernel's loopback TCP) per step, and the share of the
+    cores it kept busy. Near 100% busy, the row is CPU-bound here: it cannot step faster
+    than its CPU ms per step divided by the cores, the last column.
 """
 
 

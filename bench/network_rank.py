@@ -20,6 +20,7 @@ from typing import Any
 import netns
 import torch
 import torch.distributed as dist
+from cpu_busy import read_cpu_times
 from network_report import Method, MethodResult
 from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
 from torch import nn
@@ -220,6 +221,7 @@ def measure_method(
             _train_step(model, optimizer, batches[step % len(batches)])
         dist.barrier()
         tx_before, rx_before = netns.read_counters(netns.HOST_DEVICE)
+        cpu_before = read_cpu_times()
         step_s, window_s, tail_s = [], [], []
         for step in range(spec.steps):
             if timer is not None:
@@ -229,6 +231,7 @@ def measure_method(
             if timer is not None and timer.first_entry is not None and timer.last_entry is not None:
                 window_s.append(backward_done - timer.first_entry)
                 tail_s.append(backward_done - timer.last_entry)
+        cpu = read_cpu_times() - cpu_before
         dist.barrier()  # every peer has received what this rank sent: the counters are complete
         tx_after, rx_after = netns.read_counters(netns.HOST_DEVICE)
     finally:
@@ -243,6 +246,8 @@ def measure_method(
         rx_per_step=(rx_after - rx_before) / spec.steps,
         bucket_numels=[timer.bucket_numels[index] for index in sorted(timer.bucket_numels)] if timer else [],
         numel=sum(parameter.numel() for parameter in model.parameters()),
+        cpu_busy_s=cpu.busy_s,
+        cpu_total_s=cpu.total_s,
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import netns
+from cpu_busy import CORES
 
 from gradq.client.chunks import chunk_bounds, chunk_key, shard_for
 from gradq.qcore import DEFAULT_CHANNEL_SIZE
@@ -76,6 +77,8 @@ class MethodResult:
     rx_per_step: float  # bytes it received
     bucket_numels: list[int]  # elements per DDP bucket, in index order (hooked methods only)
     numel: int  # model parameters
+    cpu_busy_s: float = 0.0  # the machine's busy CPU time over the timed steps, all cores
+    cpu_total_s: float = 0.0  # busy + idle time of all cores over the same interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,13 @@ class Row:
     rx_per_step: float  # mean over ranks
     largest_share: float | None  # gradq: the busiest shard's share of the gradient elements
     numel: int
+    cpu_ms: float  # the machine's CPU time per timed step (rank 0's reading), all cores together
+    busy: float | None  # share of the cores' time that was busy over the timed steps
+
+    @property
+    def cpu_floor_ms(self) -> float:
+        """The step time this machine's cores allow at most: CPU per step / cores."""
+        return self.cpu_ms / CORES
 
     def link_ms(self) -> float | None:
         """Time the busiest shaped link needs for this row's bytes per step (None: nothing shaped).
@@ -145,6 +155,8 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
         largest_share=_largest_share(first.bucket_numels, method.shards, scenario.chunk_elements),
         numel=first.numel,
+        cpu_ms=1e3 * first.cpu_busy_s / len(first.step_s),
+        busy=first.cpu_busy_s / first.cpu_total_s if first.cpu_total_s > 0 else None,
     )
 
 
@@ -166,8 +178,9 @@ def _percent(fraction: float | None) -> str:
 def _main_table(rows: Sequence[Row], model: str) -> list[str]:
     lines = [
         "| world | links | method | ms/step | x faster than allreduce | compute-only ms | exposed comm ms "
-        "| link ms [a] | overlap % [b] | tail ms [b] | wire MB sent/worker/step [c] | wire MB received/worker/step |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link ms [a] | overlap % [b] | tail ms [b] | wire MB sent/worker/step [c] | wire MB received/worker/step "
+        f"| machine CPU ms/step [g] | cores busy % [g] | CPU ms / {CORES} cores [g] |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         scenario = row.scenario
@@ -181,7 +194,8 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
             f"| {_optional(speedup, '.2f')} | {_optional(compute_ms, '.1f')} "
             f"| {_optional(None if compute_ms is None else row.step_ms - compute_ms, '.1f')} "
             f"| {_optional(row.link_ms(), '.1f')} | {_percent(row.overlap)} "
-            f"| {_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} |"
+            f"| {_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} "
+            f"| {row.cpu_ms:.1f} | {_percent(row.busy)} | {row.cpu_floor_ms:.1f} |"
         )
     return lines
 
@@ -231,7 +245,12 @@ FOOTNOTES = """\
 [c] tx/rx byte counters of the worker's own veth over the timed steps (between two
     barriers), divided by the steps: payload plus gRPC/HTTP2, gloo and TCP/IP framing.
     Mean over the workers. The veth counts TCP/IP headers once per GSO packet (up to
-    64 KiB), so a real Ethernet link would carry a few percent more."""
+    64 KiB), so a real Ethernet link would carry a few percent more.
+[g] /proc/stat over rank 0's timed steps (bench/cpu_busy.py): CPU time of the whole machine
+    per step (every rank and shard, and the kernel's veth, bridge and tc work, which no
+    process is charged for), and the share of the cores it kept busy. Every emulated host
+    shares this machine's cores, so a row near 100% busy is CPU-bound here, not
+    link-bound: it cannot step faster than the last column, CPU ms / cores."""
 
 SHARD_FOOTNOTES = """\
 [d] Share of the gradient elements on the busiest shard, by the client's own rules
@@ -274,6 +293,11 @@ def _speedup_targets(rows: Sequence[Row]) -> list[str]:
                     continue
                 speedup = allreduce.step_ms / row.step_ms
                 detail = f"{allreduce.step_ms:.1f} ms / {row.step_ms:.1f} ms = {speedup:.2f}x"
+                if speedup < limit:
+                    detail += (
+                        f"; needs <= {allreduce.step_ms / limit:.1f} ms, and its CPU alone needs "
+                        f">= {row.cpu_floor_ms:.1f} ms/step on {CORES} cores ({_percent(row.busy)}% busy; see [g])"
+                    )
                 lines.append(_verdict(speedup >= limit, name, detail))
     return lines
 
