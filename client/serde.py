@@ -29,21 +29,29 @@ class PulledMean:
     skipped: bool = False  # a rank reported NaN/Inf: the values are zeros, skip the step
 
 
-def join_request(job_id: str, rank: int, world_size: int) -> pb.JoinRequest:
-    """A Join for one rank."""
-    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size)
+def join_request(job_id: str, rank: int, world_size: int, incarnation: str = "") -> pb.JoinRequest:
+    """A Join for one rank of one run (``incarnation``) of the job."""
+    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation)
 
 
-def leave_request(job_id: str, rank: int) -> pb.LeaveRequest:
-    """A Leave for one rank."""
-    return pb.LeaveRequest(job_id=job_id, rank=rank)
+def leave_request(job_id: str, rank: int, incarnation: str = "") -> pb.LeaveRequest:
+    """A Leave for one rank of one run (``incarnation``) of the job."""
+    return pb.LeaveRequest(job_id=job_id, rank=rank, incarnation=incarnation)
 
 
 def push_pull_request(
-    job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+    job_id: str,
+    step: int,
+    bucket: int,
+    rank: int,
+    tensor: QuantizedArray,
+    non_finite: bool = False,
+    incarnation: str = "",
 ) -> bytes:
     """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket."""
-    request = pb.PushPullRequest(job_id=job_id, step=step, bucket=bucket, rank=rank, non_finite=non_finite)
+    request = pb.PushPullRequest(
+        job_id=job_id, step=step, bucket=bucket, rank=rank, non_finite=non_finite, incarnation=incarnation
+    )
     return serialize_with_tensor(request, "tensor", tensor)
 
 

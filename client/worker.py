@@ -76,6 +76,9 @@ class WorkerClient:
         max_in_flight: pushes per shard on the wire at once, the rest waiting
             in order (see gradq.client.window); None sends every push at once.
             Set it only when every rank pushes in the same order, as DDP does.
+        incarnation: names this run of the job, the same on every rank (e.g. a
+            uuid rank 0 draws and broadcasts); a rerun or restart with the same
+            ``job_id`` passes a new one. "" gives none.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class WorkerClient:
         log_every_s: float | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         max_in_flight: int | None = None,
+        incarnation: str = "",
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -110,6 +114,7 @@ class WorkerClient:
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
+        self.incarnation = incarnation
         self.rank = rank
         self.world_size = world_size
         self.config = config or QuantConfig()
@@ -148,7 +153,7 @@ class WorkerClient:
         decode(encode(np.zeros(8, np.float32), self.config))
 
     def _join_shard(self, shard: int) -> None:
-        request = serde.join_request(self.job_id, self.rank, self.world_size)
+        request = serde.join_request(self.job_id, self.rank, self.world_size, self.incarnation)
         try:
             self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -159,7 +164,7 @@ class WorkerClient:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
         for pending in self._window.close():
             self._fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
-        request = serde.leave_request(self.job_id, self.rank)
+        request = serde.leave_request(self.job_id, self.rank, self.incarnation)
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
                 try:
@@ -327,7 +332,9 @@ class WorkerClient:
             return pending.result
         if not self._joined[shard]:
             self._join_shard(shard)
-        pending.request = serde.push_pull_request(self.job_id, step, bucket, self.rank, tensor, non_finite)
+        pending.request = serde.push_pull_request(
+            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnation
+        )
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
         if self._window.admit(shard, pending):

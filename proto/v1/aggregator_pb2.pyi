@@ -45,14 +45,16 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("world_size", "joined_ranks", "server_id")
@@ -65,20 +67,22 @@ class JoinResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite")
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     bucket: int
     rank: int
     tensor: QuantizedTensor
     non_finite: bool
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
     __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped")
@@ -95,12 +99,14 @@ class PushPullResponse(_message.Message):
     def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job_id", "rank")
+    __slots__ = ("job_id", "rank", "incarnation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
