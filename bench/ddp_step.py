@@ -1,4 +1,4 @@
-"""DDP step time and wire bytes of gradq beside gloo allreduce, PyTorch's fp16 hook and seed 000's allgather hooks.
+"""DDP step time and wire bytes of gradq beside gloo allreduce, PyTorch's fp16/bf16/PowerSGD hooks and seed 000's.
 
 Run from the repository root with the virtualenv's interpreter::
 
@@ -57,6 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from cpu_busy import CORES, CpuTimes, read_cpu_times  # noqa: E402
+from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB, PeerHook  # noqa: E402
 from seed_hooks import (  # noqa: E402
     SEED_CHANNEL_SIZE,
     Hook,
@@ -81,6 +82,7 @@ CLASSES = 10
 DISTINCT_BATCHES = 8  # cycled through; synthetic, fixed per rank
 LEARNING_RATE = 0.01
 SEED = 0
+POWERSGD_START_STEP = 2  # its first two steps are plain allreduce (the least PyTorch allows with error feedback)
 FP32_BYTES = 4
 FP16_BYTES = 2
 SLOW_WARMUP_STEPS = 1  # seed per-channel: enough for DDP's bucket rebuild, it has nothing to compile
@@ -126,6 +128,7 @@ class Method:
     gather_bytes: Callable[[int], int] | None = None  # allgather rows: one rank's contribution per bucket
     ring_element_bytes: int | None = None  # allreduce rows: bytes per element on the ring
     bits: int | None = None  # gradq rows: push bits (they need the aggregator)
+    peer: PeerHook | None = None  # PyTorch's bf16 / PowerSGD hooks (fresh state per model)
     slow: bool = False  # timed for --slow-steps after SLOW_WARMUP_STEPS
 
 
@@ -151,6 +154,19 @@ METHODS = (
         "gradq allgather per-channel [c]",
         hook=allgather_perchannel_hook,
         gather_bytes=_gradq_allgather_gather_bytes,
+    ),
+    Method("bf16", PEER_HOOKS["bf16"].label, peer=PEER_HOOKS["bf16"], ring_element_bytes=FP16_BYTES),
+    Method(
+        "powersgd-r1",
+        PEER_HOOKS["powersgd-r1"].label + " [f]",
+        peer=PEER_HOOKS["powersgd-r1"],
+        ring_element_bytes=FP32_BYTES,
+    ),
+    Method(
+        "powersgd-r4",
+        PEER_HOOKS["powersgd-r4"].label + " [f]",
+        peer=PEER_HOOKS["powersgd-r4"],
+        ring_element_bytes=FP32_BYTES,
     ),
     Method("gradq-8bit", "gradq 8-bit", bits=8),
     Method("gradq-4bit", "gradq 4-bit", bits=4),
@@ -229,7 +245,8 @@ class MethodRun:
     def __init__(self, method: Method, spec: JobSpec) -> None:
         self.method = method
         torch.manual_seed(SEED)
-        self.model = DistributedDataParallel(_model())
+        single_bucket = method.peer is not None and method.peer.single_bucket
+        self.model = DistributedDataParallel(_model(), bucket_cap_mb=PEER_SINGLE_BUCKET_MB if single_bucket else None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
         self.state = self._attach(spec)
         self.warmup = SLOW_WARMUP_STEPS if method.slow else spec.warmup
@@ -247,6 +264,10 @@ class MethodRun:
             gradq = GradqHookState(spec.address, QuantConfig(bits=method.bits), job_id=job_id)
             self.model.register_comm_hook(gradq, gradq_hook)
             return gradq
+        if method.peer is not None:
+            # PowerSGD compresses from its second step on, inside the untimed warm-up.
+            self.model.register_comm_hook(method.peer.make_state(POWERSGD_START_STEP), method.peer.hook)
+            return None
         if method.hook is not None and method.gather_bytes is not None:
             ordered = OrderedBucketsState(method.hook)
             self.model.register_comm_hook(ordered, ordered_buckets_hook)
@@ -288,7 +309,8 @@ class MethodRun:
         elif isinstance(state, OrderedBucketsState) and method.gather_bytes is not None:
             sent = (world_size - 1) * sum(map(method.gather_bytes, state.bucket_numels.values()))
         elif method.ring_element_bytes is not None:
-            sent = ring_allreduce_bytes(numel, world_size, method.ring_element_bytes)
+            ring_numel = method.peer.ring_elements(self.model.module) if method.peer is not None else numel
+            sent = ring_allreduce_bytes(ring_numel, world_size, method.ring_element_bytes)
         else:
             sent = 0.0
         return RankResult(tuple(self.step_seconds), numel, sent, received, self.cpu)
@@ -417,6 +439,10 @@ FOOTNOTES = """\
     (every rank, the aggregator, the kernel's loopback TCP) per step, and the share of the
     cores it kept busy. Near 100% busy, the row is CPU-bound here: it cannot step faster
     than its CPU ms per step divided by the cores, the last column.
+[f] PyTorch's PowerSGD hook with error feedback and warm start, compressing from step
+    {powersgd_start} on (inside the warm-up). One DDP bucket: on gloo its chained collectives
+    abort with two buckets in flight. Wire bytes: a ring allreduce of P and Q (n + m) x rank
+    per compressed matrix, plus the 1-D gradients whole, in fp32.
 """
 
 
@@ -570,7 +596,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = measure(args)
     print(format_table(rows))
     print()
-    print(FOOTNOTES.format(slow_steps=args.slow_steps, slow_warmup=SLOW_WARMUP_STEPS, steps=args.steps))
+    print(
+        FOOTNOTES.format(
+            slow_steps=args.slow_steps,
+            slow_warmup=SLOW_WARMUP_STEPS,
+            steps=args.steps,
+            powersgd_start=POWERSGD_START_STEP,
+        )
+    )
     print(f"1-minute load average: {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after")
     print("\n## targets\n")
     verdicts = targets(rows)

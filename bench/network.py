@@ -1,4 +1,4 @@
-"""DDP step time over emulated 1 Gbit/s and 100 Mbit/s links: gradq beside gloo allreduce, fp16 and seed 000's hook.
+"""DDP step time over emulated 1 and 0.1 Gbit/s links: gradq beside allreduce, fp16, bf16, PowerSGD, seed 000.
 
 Run as root from the repository root with the virtualenv's interpreter::
 
@@ -28,6 +28,11 @@ add when the aggregator link is the bottleneck. gradq rows use rounds of at most
 and the hook's default of two pushes per shard in flight. The report (markdown
 table, targets, PNG plot of step time vs link speed) goes to
 ``bench/results/network-<time>.*``.
+
+PyTorch's bf16 and PowerSGD hooks (rank 1 and 4, error feedback and warm start,
+compressing from the third step) come from peer_hooks.py; PowerSGD rows run
+with a single DDP bucket, since on gloo its chained collectives abort with
+several buckets in flight.
 
 The machine's cores are shared by all ranks and the aggregators, so CPU, not the
 link, can set the pace at 1 Gbit/s; the compute-only row of each scenario shows

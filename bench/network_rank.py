@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from cpu_busy import read_cpu_times
 from network_report import Method, MethodResult
+from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB
 from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -49,6 +50,7 @@ METHODS = (
     Method("compute-only", "compute only (no-communication hook)"),
     Method("allreduce", "gloo allreduce fp32"),
     Method("fp16", "fp16 compress hook"),
+    *(Method(peer.key, peer.label) for peer in PEER_HOOKS.values()),
     Method("seed-pertensor", "seed allgather per-tensor 8-bit"),
     Method("gradq8-1", "gradq 8-bit, 1 shard", bits=8, shards=1),
     Method("gradq8-2", "gradq 8-bit, 2 shards", bits=8, shards=2),
@@ -58,6 +60,8 @@ METHODS = (
     Method("gradq4-4", "gradq 4-bit, 4 shards", bits=4, shards=4),
     Method("gradq2ef-1", "gradq 2-bit + EF, 1 shard", bits=2, error_feedback=True, shards=1),
     Method("gradq2ef-2", "gradq 2-bit + EF, 2 shards", bits=2, error_feedback=True, shards=2),
+    Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
+    Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
@@ -65,6 +69,7 @@ CLASSES = 10
 DISTINCT_BATCHES = 4  # synthetic, fixed per rank, cycled through
 LEARNING_RATE = 0.01
 SEED = 0
+POWERSGD_START_STEP = 2  # plain allreduce before it, inside the warm-up (>= 2 steps)
 
 
 # -- timing the buckets of one step ----------------------------------------------------------------
@@ -177,6 +182,9 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
         return ordered_buckets_hook, OrderedBucketsState(seed_pertensor_hook), None
     if method.key == "fp16":
         return fp16_compress_hook, None, None  # process group None: the default group
+    if method.key in PEER_HOOKS:
+        peer = PEER_HOOKS[method.key]
+        return peer.hook, peer.make_state(POWERSGD_START_STEP), None
     raise ValueError(f"method={method.key!r} has no hook; expected one of {', '.join(METHOD_BY_KEY)}")
 
 
@@ -206,7 +214,10 @@ def measure_method(
     Returns:
         This rank's step times, bucket timings, wire bytes per step and bucket sizes.
     """
-    model = DistributedDataParallel(build_model(spec.layers))
+    single_bucket = method.key in PEER_HOOKS and PEER_HOOKS[method.key].single_bucket
+    model = DistributedDataParallel(
+        build_model(spec.layers), bucket_cap_mb=PEER_SINGLE_BUCKET_MB if single_bucket else None
+    )
     timer: TimedHookState | None = None
     gradq_state: GradqHookState | None = None
     if method.key == "compute-only":  # nothing to time: the hook returns at once
