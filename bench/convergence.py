@@ -187,12 +187,19 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
     state = _attach(model, method, spec, f"convergence-{task.key}-{optimizer_key}-{method.key}-{spec.init_method}")
     optimizer = _optimizer(optimizer_key, model, task)
     held_out = task.held_out(SEED)
-    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": []}
+    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": []}
     try:
         for step in range(1, spec.steps + 1):
             inputs, targets = task.batch(rank, step, SEED)
             optimizer.zero_grad(set_to_none=True)
-            task.loss(model(inputs), targets).backward()
+            try:
+                task.loss(model(inputs), targets).backward()
+            except RuntimeError as error:
+                # The aggregator fails a round with a NaN/Inf contribution for every rank, so all stop here.
+                if "NaN/Inf" not in str(error):
+                    raise
+                curve["diverged_at"].append(step)
+                break
             optimizer.step()
             if rank == 0 and (step % spec.eval_every == 0 or step == spec.steps):
                 loss, accuracy = _evaluate(model.module, task, held_out)
@@ -216,8 +223,9 @@ def _run_rank(rank: int, spec: JobSpec, queue: Any) -> None:
                     curve = train_one(rank, spec, TASKS[task_key], optimizer_key, METHOD_BY_KEY[method_key])
                     if rank == 0:
                         queue.put((task_key, optimizer_key, method_key, curve))
-                        final = curve["loss"][-1]
-                        print(f"  {task_key} {optimizer_key} {method_key}: held-out loss {final:.4f}", flush=True)
+                        final = f"diverged at step {curve['diverged_at'][0]}" if curve["diverged_at"] else ""
+                        final = final or f"held-out loss {curve['loss'][-1]:.4f}"
+                        print(f"  {task_key} {optimizer_key} {method_key}: {final}", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -79,11 +79,15 @@ def _table(
     ]
     reference_seconds = _seconds(rows["fp32"], target, step_times, "fp32")
     for key, curve in rows.items():
-        loss = curve["loss"][-1]
-        cells = [labels.get(key, key), f"{loss:.4f}", f"{100 * (loss / reference - 1):+.2f}%"]
-        if has_accuracy:
-            accuracy = curve["accuracy"][-1]
-            cells += [f"{accuracy:.1f}%", f"{accuracy - rows['fp32']['accuracy'][-1]:+.1f}"]
+        if curve.get("diverged_at"):
+            cells = [labels.get(key, key), f"diverged (NaN/Inf) at step {curve['diverged_at'][0]}", "-"]
+            cells += ["-", "-"] if has_accuracy else []
+        else:
+            loss = curve["loss"][-1]
+            cells = [labels.get(key, key), f"{loss:.4f}", f"{100 * (loss / reference - 1):+.2f}%"]
+            if has_accuracy:
+                accuracy = curve["accuracy"][-1]
+                cells += [f"{accuracy:.1f}%", f"{accuracy - rows['fp32']['accuracy'][-1]:+.1f}"]
         reached = steps_to_target(curve, target)
         cells.append("never" if reached is None else str(reached))
         if step_times:
