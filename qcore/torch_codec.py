@@ -19,6 +19,7 @@ from gradq.qcore.quantized import QuantizedArray
 from gradq.qcore.scheme import QuantConfig, Scheme
 
 __all__ = [
+    "TorchArrays",
     "TorchErrorFeedback",
     "decode_tensor",
     "dtype_name",
@@ -44,9 +45,7 @@ def refuse_out_of_range(flat: torch.Tensor, limit: float, what: str) -> None:
         raise ValueError(f"x[{index}]={float(flat[index])} cannot be encoded; expected {what}")
 
 
-def encode_on_device(
-    x: torch.Tensor, config: QuantConfig, rng: np.random.Generator | None = None
-) -> DeviceEncoding:
+def encode_on_device(x: torch.Tensor, config: QuantConfig, rng: np.random.Generator | None = None) -> DeviceEncoding:
     """Encode ``x`` (flattened, computed in float32) where it lives; nothing crosses to the host.
 
     Raises:
@@ -200,3 +199,65 @@ class TorchErrorFeedback:
 
     def __len__(self) -> int:
         return len(self._residuals)
+
+
+class TorchArrays:
+    """``gradq.qcore.arrays.ArrayCodec`` for tensors on any device (see ``NumpyArrays``).
+
+    Args:
+        config: the wire grid.
+        error_feedback: keep a residual per key, on the device.
+    """
+
+    library = "torch"
+
+    def __init__(self, config: QuantConfig, error_feedback: bool) -> None:
+        self.config = config
+        self.error_feedback = TorchErrorFeedback() if error_feedback else None
+
+    def flatten(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as a flat view."""
+        return values.detach().reshape(-1)
+
+    def output(self, out: torch.Tensor | None, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A new flat float32 tensor on ``like``'s device, or ``out`` checked.
+
+        Raises:
+            ValueError: ``out`` is not a contiguous float32 tensor of ``numel`` elements.
+        """
+        if out is None:
+            return torch.empty(numel, dtype=torch.float32, device=like.device)
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(
+                f"out has dtype={dtype_name(out.dtype)}, numel={out.numel()}, contiguous={out.is_contiguous()}; "
+                f"expected a writeable contiguous float32 tensor of {numel} elements"
+            )
+        return out.view(-1)
+
+    def encode(self, key: int, values: torch.Tensor, rng: np.random.Generator) -> QuantizedArray:
+        """``encode_tensor`` or, with error feedback, ``TorchErrorFeedback.encode``.
+
+        Copying the packed form to the host waits for the device, so the caller's
+        clock around this is honest.
+        """
+        if self.error_feedback is not None:
+            return self.error_feedback.encode(key, values, self.config, rng=rng)
+        return encode_tensor(values, self.config, rng=rng)
+
+    def decode(self, mean: QuantizedArray, out: torch.Tensor) -> None:
+        """``decode_tensor``, waiting for the device so the mean is there (and the time honest)."""
+        decode_tensor(mean, out)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+
+    def relative_error(self, key: int, values: torch.Tensor, encoded: QuantizedArray) -> float | None:
+        """The residual's norm under error feedback, else the decoded push's error."""
+        flat = values.detach().reshape(-1).float()
+        norm = float(torch.linalg.vector_norm(flat))
+        if norm == 0.0:
+            return None
+        if self.error_feedback is not None:
+            residual = self.error_feedback.residual(key)
+            return float(torch.linalg.vector_norm(residual)) / norm if residual is not None else None
+        decoded = decode_tensor(encoded, torch.empty_like(flat))
+        return float(torch.linalg.vector_norm(decoded - flat)) / norm

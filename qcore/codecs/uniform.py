@@ -128,7 +128,9 @@ class UniformCodec(Codec):
         if off_grid.any():
             index = int(np.flatnonzero(off_grid)[0])
             expected = f"{mid} (symmetric mid-point)" if self.symmetric else f"0..{qmax}"
-            raise ValueError(f"{field}.zero_point[{index}]={int(zero_point[index])} is off the grid; expected {expected}")
+            raise ValueError(
+                f"{field}.zero_point[{index}]={int(zero_point[index])} is off the grid; expected {expected}"
+            )
 
 
 def _checked_qparams(

@@ -34,6 +34,7 @@ def uniform(scheme: Scheme) -> UniformCodec:
     assert isinstance(codec, UniformCodec)
     return codec
 
+
 # One float32 rounding: relative error at most 2**-24.
 UNIT_ROUNDOFF = 2.0**-24
 SETTINGS = settings(max_examples=200, deadline=None)
