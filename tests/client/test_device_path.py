@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradq.client import WorkerClient
 from gradq.client.ddp_hook import GradqHookState
 from gradq.client.demo import free_port
 from gradq.qcore import QuantConfig, Rounding
@@ -86,3 +87,26 @@ def test_torch_codec_gives_ddp_the_numpy_paths_gradients_bit_for_bit(
             np.testing.assert_array_equal(device[rank][step], device[0][step])
         # 4 bits both ways: within a few grid steps of the exact mean, so neither path is trivially wrong.
         assert np.abs(device[0][step] - exact).max() < 4 * (exact.max() - exact.min()) / 15
+
+
+def test_a_worker_pushes_tensors_through_the_same_rounds_and_records_their_costs(
+    shards: list[AggregatorServer],
+) -> None:
+    # One rank per job, so the mean is what this rank sent: the tensor push and the
+    # numpy push of the same values must come back identical, chunked over both shards.
+    addresses = [f"127.0.0.1:{server.port}" for server in shards]
+    values = np.random.default_rng(5).normal(size=5000).astype(np.float32)
+    config = QuantConfig(bits=4, channel_size=CHANNEL_SIZE)
+    means = {}
+    for library, bucket in (("numpy", values.copy()), ("torch", torch.from_numpy(values.copy()))):
+        with WorkerClient(
+            addresses, f"job-{library}", 0, 1, config, error_feedback=True, chunk_elements=CHUNK_ELEMENTS
+        ) as client:
+            means[library] = client.push_pull_async(0, 3, bucket).result(timeout=30)
+            stats = client.stats()
+            residuals = client.residuals(library)
+        assert stats.pushes == 5 and stats.encode_seconds > 0 and stats.decode_seconds > 0
+        assert stats.bytes_received > 0 and stats.compression_ratio > 6
+        assert residuals is not None and len(list(residuals.keys())) == 5  # one per chunk
+    assert isinstance(means["torch"], torch.Tensor) and means["torch"].dtype == torch.float32
+    np.testing.assert_array_equal(means["torch"].numpy(), means["numpy"])
