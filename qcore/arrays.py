@@ -42,7 +42,10 @@ class ArrayCodec(Protocol):
     """What ``WorkerClient`` asks of an array library."""
 
     library: str  # "numpy" or "torch"
-    error_feedback: ResidualStore | None  # None when error feedback is off
+
+    @property
+    def error_feedback(self) -> ResidualStore | None:
+        """The residuals by key; None when error feedback is off."""
 
     def flatten(self, values: Any) -> Any:
         """A flat view of a bucket."""

@@ -48,9 +48,9 @@ def calculate_qparams(
         raise ValueError(f"min_vals has {lows.size} entries, max_vals {highs.size}; expected the same count")
     for name, values in (("min_vals", lows), ("max_vals", highs)):
         # Past 2**126 the grid's step overflows float32 (as encode refuses such values).
-        bad = ~(np.abs(values) < LARGEST_QUANTIZABLE)
-        if bad.any():
-            index = int(np.flatnonzero(bad)[0])
+        out_of_range = ~(np.abs(values) < LARGEST_QUANTIZABLE)
+        if out_of_range.any():
+            index = int(np.flatnonzero(out_of_range)[0])
             raise ValueError(
                 f"{name}[{index}]={float(values[index])} is out of range; expected finite values with |v| < 2**126"
             )

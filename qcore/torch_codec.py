@@ -9,6 +9,7 @@ they are handed a tensor.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Iterator
 
 import numpy as np
@@ -19,7 +20,9 @@ from gradq.qcore.quantized import QuantizedArray
 from gradq.qcore.scheme import QuantConfig, Scheme
 
 __all__ = [
+    "Crossings",
     "TorchArrays",
+    "crossings",
     "TorchErrorFeedback",
     "decode_tensor",
     "dtype_name",
@@ -30,6 +33,30 @@ __all__ = [
     "to_host",
     "view_bytes",
 ]
+
+
+class Crossings:
+    """Bytes this module copied between host and device memory (a CPU tensor's "copies" are no-ops, counted alike)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.to_host_bytes = self.to_device_bytes = self.copies = 0
+
+    def add(self, to_host: int, to_device: int) -> None:
+        """Record one copy."""
+        with self._lock:
+            self.to_host_bytes += to_host
+            self.to_device_bytes += to_device
+            self.copies += 1
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(bytes to the host, bytes to the device, copies) so far."""
+        with self._lock:
+            return self.to_host_bytes, self.to_device_bytes, self.copies
+
+
+# What crossed in this process: bench/cuda_check.py prints it per step.
+crossings = Crossings()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,6 +88,7 @@ def to_host(encoding: DeviceEncoding, scheme: Scheme, numel: int, dtype: str) ->
     """The wire form of a device encoding: scale, zero point and payload cross in one copy."""
     parts = [view_bytes(encoding.scale, torch.uint8), view_bytes(encoding.zero_point, torch.uint8), encoding.payload]
     host = torch.cat(parts).cpu().numpy()
+    crossings.add(host.nbytes, 0)
     # Scales first: the float32 and int32 views then start on 4-byte boundaries.
     scale_end = encoding.scale.numel() * 4
     zero_point_end = 2 * scale_end
@@ -86,6 +114,7 @@ def to_device(q: QuantizedArray, device: torch.device) -> DeviceEncoding:
     """A received encoding on ``device``: scale, zero point and payload cross in one copy."""
     host = np.concatenate([q.scale.view(np.uint8), q.zero_point.view(np.uint8), q.payload.reshape(-1)])
     moved = torch.from_numpy(host).to(device)
+    crossings.add(0, host.nbytes)
     scale_end = 4 * q.scale.size
     zero_point_end = scale_end + 4 * q.zero_point.size
     return DeviceEncoding(

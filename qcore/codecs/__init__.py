@@ -14,7 +14,8 @@ from gradq.qcore.scheme import Scheme
 
 __all__ = ["Codec", "DeviceEncoding", "TorchTwin", "codec_for", "noise_key", "registered_schemes"]
 
-_REGISTRY: dict[Scheme, Codec] = {codec.scheme: codec for module in (floating, uniform) for codec in module.CODECS}
+# Keyed by the enum's integer value, which is what arrives off the wire.
+_REGISTRY: dict[int, Codec] = {int(codec.scheme): codec for module in (floating, uniform) for codec in module.CODECS}
 
 
 def codec_for(scheme: Scheme | int) -> Codec:
@@ -29,13 +30,13 @@ def codec_for(scheme: Scheme | int) -> Codec:
     Raises:
         ValueError: naming the value and the registered schemes.
     """
-    codec = _REGISTRY.get(scheme)  # type: ignore[call-overload]  # an int looks up its IntEnum member
+    codec = _REGISTRY.get(int(scheme))
     if codec is None:
-        names = ", ".join(f"{s.value} ({s.name})" for s in _REGISTRY)
+        names = ", ".join(f"{c.scheme.value} ({c.scheme.name})" for c in _REGISTRY.values())
         raise ValueError(f"scheme={scheme!r} has no codec; expected one of {names}")
     return codec
 
 
 def registered_schemes() -> frozenset[Scheme]:
     """Every scheme that has a codec."""
-    return frozenset(_REGISTRY)
+    return frozenset(codec.scheme for codec in _REGISTRY.values())

@@ -79,6 +79,6 @@ def test_every_wire_scheme_has_a_codec_and_every_codec_a_wire_scheme() -> None:
 
 def test_an_unknown_scheme_is_refused_with_the_registered_ones_named() -> None:
     message = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig()))
-    message.scheme = 0
+    message.scheme = pb.Scheme.Value("SCHEME_UNSPECIFIED")
     with pytest.raises(ValueError, match=r"tensor.scheme=0 is not a known scheme; expected one of 1 \(FLOAT32\), "):
         tensor_from_proto(message)
