@@ -65,7 +65,7 @@ class GradqHookState:
     __slots__ = (
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
-        "_sender_pool",  # one thread that encodes and sends CPU buckets off the autograd thread
+        "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
         "chunk_elements",  # largest round a bucket is cut into
         "codec",  # "auto", "torch" or "numpy": which array library quantizes a bucket
