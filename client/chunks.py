@@ -9,8 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import threading
+from typing import Any
 
-import numpy as np
+from gradq.qcore import channel_count
 
 __all__ = [
     "CHUNK_KEY_STRIDE",
@@ -20,7 +21,6 @@ __all__ = [
     "assemble",
     "chunk_bounds",
     "chunk_key",
-    "output_buffer",
     "shard_for",
 ]
 
@@ -79,7 +79,7 @@ def chunk_bounds(numel: int, chunk_elements: int, channel_size: int, shards: int
     balanced = -(-count // shards) * shards
     if numel >= balanced * MIN_SHARD_SPLIT:
         count = balanced
-    channels = -(-numel // channel_size)
+    channels = channel_count(numel, channel_size)
     count = min(count, channels)
     if count <= 1:
         return [(0, numel)]
@@ -90,19 +90,19 @@ def chunk_bounds(numel: int, chunk_elements: int, channel_size: int, shards: int
 
 
 def assemble(
-    parts: list[concurrent.futures.Future[np.ndarray]], out: np.ndarray, shape: tuple[int, ...]
-) -> concurrent.futures.Future[np.ndarray]:
+    parts: list[concurrent.futures.Future[Any]], out: Any, shape: tuple[int, ...]
+) -> concurrent.futures.Future[Any]:
     """One future for a bucket's chunks, which decode into their slices of ``out``: ``out``, or the first failure.
 
     It completes only once every chunk has settled, failed or not, so no
     chunk's mean is written into ``out`` after the caller got its answer.
     """
-    result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
     remaining = [len(parts)]
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def landed(done: concurrent.futures.Future[np.ndarray]) -> None:
+    def landed(done: concurrent.futures.Future[Any]) -> None:
         error = done.exception()
         with lock:
             if error is not None:
@@ -118,15 +118,3 @@ def assemble(
     for part in parts:
         part.add_done_callback(landed)
     return result
-
-
-def output_buffer(out: np.ndarray | None, numel: int) -> np.ndarray:
-    """``out`` checked as a flat float32 view of ``numel`` elements, or a new one."""
-    if out is None:
-        return np.empty(numel, np.float32)
-    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(
-            f"out has dtype={out.dtype}, size={out.size}, contiguous={out.flags.c_contiguous}, "
-            f"writeable={out.flags.writeable}; expected a writeable contiguous float32 array of {numel} elements"
-        )
-    return out.reshape(-1)

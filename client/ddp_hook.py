@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,10 +19,10 @@ from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_me
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
-from gradq.client.torch_codec import quantize_tensor, torch_dtype_name
+from gradq.client.torch_codec import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.window import check_max_in_flight
 from gradq.client.worker import AggregationError, WorkerClient
-from gradq.qcore import QuantConfig, QuantizedArray, Rounding
+from gradq.qcore import QuantConfig
 
 __all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]
 
@@ -58,15 +57,18 @@ class GradqHookState:
         max_in_flight: pushes per shard on the wire at once (see
             gradq.client.window): 2 lets one chunk arrive while the previous
             one's mean leaves; None sends a step's chunks all at once.
+        codec: where buckets are quantized: "auto" (on their device: the torch
+            codec for GPU buckets, numpy for CPU ones), "torch" (on their
+            device, CPU included) or "numpy" (copied to the host first).
     """
 
     __slots__ = (
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
-        "_residuals",  # bucket index -> device residual (error feedback for GPU buckets)
-        "_sender_pool",  # one thread that encodes and sends CPU buckets off the autograd thread
+        "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
         "chunk_elements",  # largest round a bucket is cut into
+        "codec",  # "auto", "torch" or "numpy": which array library quantizes a bucket
         "config",  # the wire grid for pushes
         "connect_timeout_s",  # first join's patience
         "error_feedback",  # whether residuals are kept
@@ -93,6 +95,7 @@ class GradqHookState:
         security: ChannelSecurity | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         max_in_flight: int | None = DEFAULT_HOOK_IN_FLIGHT,
+        codec: str = "auto",
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -114,10 +117,12 @@ class GradqHookState:
         self.chunk_elements = chunk_elements
         check_max_in_flight(max_in_flight)
         self.max_in_flight = max_in_flight
+        if codec not in CODECS:
+            raise ValueError(f"codec={codec!r} is invalid; expected one of {', '.join(CODECS)}")
+        self.codec = codec
         self.step = 0
         self._client: WorkerClient | None = None
         self._mode: str | None = None
-        self._residuals: dict[int, torch.Tensor] = {}
         self._sender_pool: ThreadPoolExecutor | None = None
 
     def _sender(self) -> ThreadPoolExecutor:
@@ -126,18 +131,17 @@ class GradqHookState:
         return self._sender_pool
 
     def __getstate__(self) -> dict[str, Any]:
-        skipped = ("_client", "_mode", "_residuals", "_sender_pool", "process_group")
+        skipped = ("_client", "_mode", "_sender_pool", "process_group")
         return {name: getattr(self, name) for name in self.__slots__ if name not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Fields added since the first release, for states pickled before them.
-        defaults = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "max_in_flight": DEFAULT_HOOK_IN_FLIGHT}
+        defaults = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "max_in_flight": DEFAULT_HOOK_IN_FLIGHT, "codec": "auto"}
         for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
         self.process_group = None
         self._client = None
         self._mode = None
-        self._residuals = {}
         self._sender_pool = None
 
     @property
@@ -237,6 +241,11 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # Every bucket takes the same path (chunks, shards, window, retries, stats);
+    # the codec decides only where it is quantized and where its mean is decoded.
+    # DDP leaves the buffer alone until the future is done, so an fp32 bucket's
+    # mean is decoded straight into it, as allreduce would.
+    values, out = bucket_and_output(buffer, state.codec)
 
     def deliver(done: Any) -> None:
         try:
@@ -244,41 +253,20 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
             return
-        result.set_result(torch.from_numpy(np.asarray(mean)).to(buffer.device, buffer.dtype).view_as(buffer))
+        result.set_result(torch.as_tensor(mean).to(buffer.device, buffer.dtype).view_as(buffer))
 
-    if buffer.is_cuda and state.config.rounding is Rounding.NEAREST:
-        try:
-            pending = client.push_pull_encoded_async(step, key, _encode_on_device(state, key, buffer))
-        except ValueError:  # NaN/Inf on the device: the aggregator's policy decides
-            pending = client.push_pull_non_finite_async(step, key, buffer.numel())
-        pending.add_done_callback(deliver)
-        return result
-    # On the CPU, encoding and building the request move to the state's sender
-    # thread, so backward goes on computing earlier buckets' gradients meanwhile
-    # (the kernels release the GIL). DDP leaves the buffer alone until the future is
-    # done, so an fp32 bucket's mean is decoded straight into it, as allreduce would.
-    host = buffer.detach().float().cpu().numpy()
-
+    # Encoding and building the request move to the state's sender thread, so
+    # backward goes on computing earlier buckets' gradients meanwhile (the kernels
+    # release the GIL); on a GPU it queues after the work that made the gradients.
+    @on_callers_stream(buffer)
     def send() -> None:
         try:
-            client.push_pull_async(step, key, host, out=host).add_done_callback(deliver)
+            client.push_pull_async(step, key, values, out=out).add_done_callback(deliver)
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]
 
     state._sender().submit(send)
     return result
-
-
-def _encode_on_device(state: GradqHookState, key: int, buffer: torch.Tensor) -> QuantizedArray:
-    values = buffer.detach().float()
-    if state.error_feedback:
-        residual = state._residuals.get(key)
-        if residual is not None and residual.numel() == values.numel():
-            values = values + residual
-    encoded, dequantized = quantize_tensor(values, state.config, dtype=torch_dtype_name(buffer.dtype))
-    if state.error_feedback:
-        state._residuals[key] = values - dequantized
-    return encoded
 
 
 def _fallback_allreduce(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

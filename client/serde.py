@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.qcore import QuantizedArray, decode
+from gradq.qcore import QuantizedArray
 
 __all__ = ["PulledMean", "push_pull_request", "mean_from_bytes", "join_request", "leave_request"]
 
@@ -21,7 +20,7 @@ __all__ = ["PulledMean", "push_pull_request", "mean_from_bytes", "join_request",
 class PulledMean:
     """A round's answer as the worker sees it."""
 
-    values: np.ndarray  # float32, flat
+    tensor: QuantizedArray  # the encoded mean; its arrays view the response bytes
     contributors: int
     partial: bool
     missing_ranks: tuple[int, ...]
@@ -55,8 +54,8 @@ def push_pull_request(
     return serialize_with_tensor(request, "tensor", tensor)
 
 
-def mean_from_bytes(data: bytes, out: np.ndarray) -> PulledMean:
-    """Parse, check and decode into ``out`` (flat float32) the PushPullResponse the aggregator sent back.
+def mean_from_bytes(data: bytes, numel: int) -> PulledMean:
+    """Parse and check the PushPullResponse the aggregator sent back for a push of ``numel`` elements.
 
     Raises:
         ValueError: the response is malformed or the mean has a different element count than was pushed.
@@ -66,10 +65,10 @@ def mean_from_bytes(data: bytes, out: np.ndarray) -> PulledMean:
     except DecodeError as error:
         raise ValueError(f"response is not a gradq.v1.PushPullResponse: {error}") from None
     mean = tensor_from_proto(response.mean, "mean", payload)
-    if mean.numel != out.size:
-        raise ValueError(f"mean.numel={mean.numel} does not match the {out.size} elements pushed")
+    if mean.numel != numel:
+        raise ValueError(f"mean.numel={mean.numel} does not match the {numel} elements pushed")
     return PulledMean(
-        values=decode(mean, out=out),
+        tensor=mean,
         contributors=response.contributors,
         partial=response.partial,
         missing_ranks=tuple(response.missing_ranks),

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,7 +22,6 @@ from gradq.client.chunks import (
     assemble,
     chunk_bounds,
     chunk_key,
-    output_buffer,
     shard_for,
 )
 from gradq.client.security import ChannelSecurity
@@ -30,7 +30,8 @@ from gradq.client.window import ShardWindow
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
-from gradq.qcore import ErrorFeedback, QuantConfig, QuantizedArray, decode, encode
+from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
+from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_MAX_MESSAGE_BYTES", "AggregationError", "WorkerClient", "shard_for"]
 
@@ -61,7 +62,8 @@ class WorkerClient:
         world_size: ranks in the job.
         config: how buckets are quantized on the way out.
         error_feedback: keep a residual per bucket so quantization error is
-            carried into the next step instead of lost.
+            carried into the next step instead of lost (in the bucket's own
+            array library: a tensor's residual stays on its device).
         timeout_s: deadline of each RPC; keep it above the aggregator's round
             timeout so its "missing ranks" answer arrives first.
         max_retries: retries of a call that failed with UNAVAILABLE; each
@@ -122,8 +124,10 @@ class WorkerClient:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         channel = self.config.channel_size
-        self.chunk_elements = -(-chunk_elements // channel) * channel if chunk_elements > 0 else 0
-        self._error_feedback = ErrorFeedback() if error_feedback else None
+        self.chunk_elements = channel_count(chunk_elements, channel) * channel if chunk_elements > 0 else 0
+        self._error_feedback = error_feedback
+        # One ArrayCodec per library pushed so far: numpy arrays, or torch tensors on any device.
+        self._arrays: dict[str, ArrayCodec] = {}
         # Per-rank stream so stochastic rounding is independent across ranks.
         self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
@@ -186,16 +190,17 @@ class WorkerClient:
 
     # -- push / pull ---------------------------------------------------------------------------
 
-    def push_pull(self, step: int, bucket: int, array: np.ndarray) -> np.ndarray:
+    def push_pull(self, step: int, bucket: int, array: Any) -> Any:
         """Contribute ``array`` to round (step, bucket) and return the mean over all ranks.
 
         Args:
             step: training step; every rank uses the same numbering.
             bucket: bucket index within the step; picks the shard.
-            array: this rank's values (any float array; flattened on the wire).
+            array: this rank's values: any float array, or a torch tensor on any
+                device (quantized there; only packed bytes cross to the host).
 
         Returns:
-            float32 array of ``array``'s shape holding the decoded mean.
+            float32 array (or tensor, on ``array``'s device) of ``array``'s shape holding the decoded mean.
 
         Raises:
             AggregationError: the round failed (e.g. ranks missing at its
@@ -204,8 +209,8 @@ class WorkerClient:
         return self.push_pull_async(step, bucket, array).result()
 
     def push_pull_async(
-        self, step: int, bucket: int, array: np.ndarray, out: np.ndarray | None = None
-    ) -> concurrent.futures.Future[np.ndarray]:
+        self, step: int, bucket: int, array: Any, out: Any | None = None
+    ) -> concurrent.futures.Future[Any]:
         """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
 
         Quantization happens on the calling thread before this returns, so the
@@ -214,17 +219,22 @@ class WorkerClient:
         the shards: one chunk's mean comes back while the next is pushed.
 
         Args:
-            out: a contiguous float32 array of ``array.size`` elements to decode
-                the mean into (``array`` itself is fine); None allocates one.
+            out: a contiguous float32 array (a tensor, for a tensor ``array``) of
+                ``array``'s element count to decode the mean into (``array``
+                itself is fine); None allocates one.
         """
-        values = np.asarray(array)
-        flat = values.reshape(-1)
-        out = output_buffer(out, flat.size)
-        pieces = chunk_bounds(flat.size, self.chunk_elements, self.config.channel_size, len(self._stubs))
+        arrays = self._arrays_for(array)
+        flat = arrays.flatten(array)
+        shape = tuple(np.shape(array))
+        numel = len(flat)
+        out = arrays.output(out, numel, flat)
+        pieces = chunk_bounds(numel, self.chunk_elements, self.config.channel_size, len(self._stubs))
         keys = [chunk_key(bucket, index) for index in range(len(pieces))]
         started = time.perf_counter()
         try:
-            tensors = [self._encode(key, flat[begin:end]) for key, (begin, end) in zip(keys, pieces, strict=True)]
+            tensors = [
+                arrays.encode(key, flat[begin:end], self._rng) for key, (begin, end) in zip(keys, pieces, strict=True)
+            ]
         except ValueError as error:
             # NaN/Inf (or |x| >= 2**126): tell the aggregator about every chunk, so its
             # policy rejects the bucket or skips it, for every rank alike.
@@ -233,11 +243,11 @@ class WorkerClient:
                 self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end])
                 for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
-            return assemble(reported, out, values.shape)
+            return assemble(reported, out, shape)
         encode_seconds = (time.perf_counter() - started) / len(pieces)
-        parts: list[concurrent.futures.Future[np.ndarray]] = []
+        parts: list[concurrent.futures.Future[Any]] = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
-            error_ratio = self._sampled_error(key, flat[begin:end], tensor)
+            error_ratio = self._sampled_error(arrays, key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
             try:
                 parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
@@ -245,29 +255,33 @@ class WorkerClient:
                 if not parts:
                     raise
                 # Chunks already sent still land in ``out``: fail through the future, once they have.
-                failed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+                failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
                 failed.set_exception(error)
                 parts.append(failed)
                 break
-        return assemble(parts, out, values.shape)
+        return assemble(parts, out, shape)
 
-    def _encode(self, key: int, values: np.ndarray) -> QuantizedArray:
-        if self._error_feedback is not None:
-            return self._error_feedback.encode(key, values, self.config, rng=self._rng)
-        return encode(values, self.config, rng=self._rng)
+    def _arrays_for(self, values: Any) -> ArrayCodec:
+        library = library_of(values)
+        arrays = self._arrays.get(library)
+        if arrays is None:
+            arrays = self._arrays[library] = new_arrays(library, self.config, self._error_feedback)
+        return arrays
 
-    def _sampled_error(self, bucket: int, values: np.ndarray, tensor: QuantizedArray) -> float | None:
+    def residuals(self, library: str = "numpy") -> ResidualStore | None:
+        """The error-feedback residuals of the buckets pushed as ``library`` arrays, by round key.
+
+        None when error feedback is off or nothing was pushed in that library yet.
+        """
+        arrays = self._arrays.get(library)
+        return arrays.error_feedback if arrays is not None else None
+
+    def _sampled_error(self, arrays: ArrayCodec, key: int, values: Any, tensor: QuantizedArray) -> float | None:
         """||decoded - input|| / ||input|| of every 16th push (norms cost as much as encoding)."""
         self._pushes_since_sample = (self._pushes_since_sample + 1) % 16
         if self._pushes_since_sample != 1:
             return None
-        norm = float(np.linalg.norm(values))
-        if norm == 0.0:
-            return None
-        if self._error_feedback is not None:  # the residual is exactly what was lost
-            residual = self._error_feedback.residual(bucket)
-            return float(np.linalg.norm(residual)) / norm if residual is not None else None
-        return float(np.linalg.norm(decode(tensor) - values.reshape(-1))) / norm
+        return arrays.relative_error(key, values, tensor)
 
     def stats(self) -> ClientStats:
         """Encode / network / decode time, bytes, compression ratio and relative error so far."""
@@ -289,8 +303,8 @@ class WorkerClient:
         bucket: int,
         numel: int,
         shape: tuple[int, ...] | None = None,
-        out: np.ndarray | None = None,
-    ) -> concurrent.futures.Future[np.ndarray]:
+        out: Any | None = None,
+    ) -> concurrent.futures.Future[Any]:
         """Report that this rank's bucket holds NaN/Inf; the future gets zeros if the round is skipped.
 
         Raises (through the future):
@@ -308,8 +322,8 @@ class WorkerClient:
         *,
         non_finite: bool = False,
         counted: bool = False,
-        out: np.ndarray | None = None,
-    ) -> concurrent.futures.Future[np.ndarray]:
+        out: Any | None = None,
+    ) -> concurrent.futures.Future[Any]:
         """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
 
         Args:
@@ -319,13 +333,14 @@ class WorkerClient:
             shape: shape of the returned mean; flat when None.
             non_finite: ``tensor`` is a placeholder for a NaN/Inf bucket.
             counted: the caller already recorded this push in ``stats()``.
-            out: contiguous float32 array of ``tensor.numel`` elements to decode
-                the mean into; None allocates one.
+            out: contiguous float32 array (or tensor, on any device) of
+                ``tensor.numel`` elements to decode the mean into; None allocates an array.
         """
         shard = shard_for(bucket, len(self._stubs))
         flat_shape = (tensor.numel,) if shape is None else shape
-        out = output_buffer(out, tensor.numel)
-        pending = _PendingPush(shard, step, bucket, b"", flat_shape, out, concurrent.futures.Future())
+        arrays = self._arrays_for(out)
+        out = arrays.output(out, tensor.numel, out)
+        pending = _PendingPush(shard, step, bucket, b"", flat_shape, arrays, out, concurrent.futures.Future())
         pending.result.set_running_or_notify_cancel()  # settled only here: cancel() would free its slot early
         if self._window.closed:
             self._fail(pending, grpc.StatusCode.CANCELLED, "the client is closed")
@@ -385,7 +400,8 @@ class WorkerClient:
         if code == grpc.StatusCode.OK:
             received_at = time.perf_counter()
             try:
-                mean = serde.mean_from_bytes(call.result(), pending.out)
+                mean = serde.mean_from_bytes(call.result(), len(pending.out))
+                pending.arrays.decode(mean.tensor, pending.out)
             except Exception as error:  # whatever fails here must still settle the future
                 pending.result.set_exception(AggregationError(address, None, str(error)))
                 return
@@ -402,7 +418,7 @@ class WorkerClient:
                 log.warning(
                     "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
                 )
-            pending.result.set_result(mean.values.reshape(pending.shape))
+            pending.result.set_result(pending.out.reshape(pending.shape))
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
             pending.attempt += 1
             delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
@@ -447,7 +463,8 @@ class _PendingPush:
     bucket: int  # the round key: bucket + chunk * CHUNK_KEY_STRIDE
     request: bytes  # the serialized PushPullRequest
     shape: tuple[int, ...]
-    out: np.ndarray  # flat float32: the mean is decoded into it
-    result: concurrent.futures.Future[np.ndarray]
+    arrays: ArrayCodec  # the library ``out`` lives in
+    out: Any  # flat float32 array or tensor: the mean is decoded into it
+    result: concurrent.futures.Future[Any]
     attempt: int = 0
     sent_at: float = 0.0  # perf_counter when the latest attempt went out

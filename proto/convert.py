@@ -13,7 +13,8 @@ from google.protobuf.message import Message
 
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.wire import join_bulk, split_bulk
-from gradq.qcore import QuantizedArray, Scheme
+from gradq.qcore import QuantizedArray, Scheme, codec_for
+from gradq.qcore.codecs import registered_schemes
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -30,8 +31,6 @@ _PAYLOAD_FIELD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
 
 # Element types a sender may declare; the receiver casts the mean back to it.
 ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
-
-_FLOAT_BITS = {Scheme.FLOAT32: 32, Scheme.FLOAT16: 16}
 
 
 def tensor_header(q: QuantizedArray) -> pb.QuantizedTensor:
@@ -89,18 +88,13 @@ def parse_with_tensor(data: bytes, message_type: type[M], field: str) -> tuple[M
     return message_type.FromString(stripped), payload
 
 
-def _expected_channels(scheme: Scheme, numel: int, channel_size: int) -> int:
-    if not scheme.is_quantized:
-        return 0
-    if not scheme.is_per_channel:
-        return 1
-    return -(-numel // channel_size)
-
-
 def tensor_from_proto(
     message: pb.QuantizedTensor, field: str = "tensor", payload: memoryview | bytes | None = None
 ) -> QuantizedArray:
     """Check a wire tensor field by field and view it as a QuantizedArray (no payload copy).
+
+    The scheme's codec checks everything it defines (bits, channel size, sizes,
+    qparams, payload values); this module checks the scheme and the dtype tag.
 
     Args:
         message: the received QuantizedTensor.
@@ -115,68 +109,21 @@ def tensor_from_proto(
         ValueError: naming the offending field, its value and what was expected.
     """
     try:
-        scheme = Scheme(message.scheme)
+        codec = codec_for(Scheme(message.scheme))
     except ValueError:
-        names = ", ".join(f"{s.value} ({s.name})" for s in Scheme)
+        names = ", ".join(f"{s.value} ({s.name})" for s in sorted(registered_schemes()))
         raise ValueError(f"{field}.scheme={message.scheme} is not a known scheme; expected one of {names}") from None
-    bits, numel, channel_size = message.bits, message.numel, message.channel_size
-    if scheme.is_quantized:
-        lowest = 2 if scheme.is_symmetric else 1
-        if not lowest <= bits <= 8:
-            raise ValueError(f"{field}.bits={bits} is invalid for {scheme.name}; expected {lowest}..8")
-    elif bits != _FLOAT_BITS[scheme]:
-        raise ValueError(f"{field}.bits={bits} is invalid for {scheme.name}; expected {_FLOAT_BITS[scheme]}")
-    if scheme.is_per_channel:
-        if channel_size < 1:
-            raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected >= 1 for {scheme.name}")
-    elif channel_size != max(numel, 1) and channel_size != numel:
-        raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected numel={numel} for {scheme.name}")
     # Each access to a bytes field copies it out of the message: read each once.
-    scale_bytes, zero_point_bytes = message.scale, message.zero_point
-    if payload is None:
-        payload = message.payload
-    payload_bytes = (numel * bits + 7) // 8
-    if len(payload) != payload_bytes:
-        raise ValueError(
-            f"{field}.payload has {len(payload)} bytes; expected ceil(numel * bits / 8) = "
-            f"{payload_bytes} for numel={numel}, bits={bits}"
-        )
-    channels = _expected_channels(scheme, numel, channel_size)
-    for name, raw in (("scale", scale_bytes), ("zero_point", zero_point_bytes)):
-        if len(raw) != 4 * channels:
-            raise ValueError(
-                f"{field}.{name} has {len(raw)} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
-            )
-    scale = np.frombuffer(scale_bytes, "<f4")
-    zero_point = np.frombuffer(zero_point_bytes, "<i4")
-    bad_scale = ~(np.isfinite(scale) & (scale > 0))
-    if bad_scale.any():
-        index = int(np.flatnonzero(bad_scale)[0])
-        raise ValueError(f"{field}.scale[{index}]={float(scale[index])} is invalid; expected a finite number > 0")
-    if scheme.is_quantized:
-        qmax = (1 << bits) - 1
-        off_grid = (zero_point < 0) | (zero_point > qmax)
-        if scheme.is_symmetric:
-            off_grid = zero_point != (qmax + 1) // 2
-        if off_grid.any():
-            index = int(np.flatnonzero(off_grid)[0])
-            expected = f"{(qmax + 1) // 2} (symmetric mid-point)" if scheme.is_symmetric else f"0..{qmax}"
-            value = int(zero_point[index])
-            raise ValueError(f"{field}.zero_point[{index}]={value} is off the grid; expected {expected}")
-    if not scheme.is_quantized:
-        values = np.frombuffer(payload, np.float16 if scheme is Scheme.FLOAT16 else np.float32)
-        if not np.isfinite(values).all():
-            index = int(np.flatnonzero(~np.isfinite(values))[0])
-            raise ValueError(f"{field}.payload[{index}]={float(values[index])} is not finite; expected finite values")
+    tensor = codec.from_wire(
+        field,
+        message.bits,
+        message.numel,
+        message.channel_size,
+        message.scale,
+        message.zero_point,
+        message.payload if payload is None else payload,
+        message.dtype,
+    )
     if message.dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")
-    return QuantizedArray(
-        scheme=scheme,
-        bits=bits,
-        numel=numel,
-        channel_size=channel_size,
-        scale=scale,
-        zero_point=zero_point,
-        payload=np.frombuffer(payload, np.uint8),
-        dtype=message.dtype,
-    )
+    return tensor

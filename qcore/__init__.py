@@ -9,6 +9,7 @@ from gradq.qcore.codec import (
     fake_quantize,
     wire_size,
 )
+from gradq.qcore.codecs import Codec, codec_for
 from gradq.qcore.error_feedback import ErrorFeedback
 from gradq.qcore.observers import (
     MinMaxObserver,
@@ -19,11 +20,12 @@ from gradq.qcore.observers import (
     calculate_qparams,
     observer_for,
 )
-from gradq.qcore.packing import pack_bits, packed_size, unpack_bits
+from gradq.qcore.packing import channel_count, pack_bits, packed_size, unpack_bits
 from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme
 
 __all__ = [
     "DEFAULT_CHANNEL_SIZE",
+    "Codec",
     "METADATA_BYTES",
     "ErrorFeedback",
     "MinMaxObserver",
@@ -36,6 +38,8 @@ __all__ = [
     "Rounding",
     "Scheme",
     "calculate_qparams",
+    "channel_count",
+    "codec_for",
     "decode",
     "decode_accumulate",
     "encode",

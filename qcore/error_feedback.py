@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import numpy as np
 
@@ -54,6 +54,14 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         """The residual currently held for ``key`` (None if there is none)."""
         return self._residuals.get(key)
+
+    def set_residual(self, key: Hashable, residual: np.ndarray) -> None:
+        """Hold ``residual`` (flat float32) for ``key``, e.g. restored from a checkpoint."""
+        self._residuals[key] = residual
+
+    def keys(self) -> Iterator[Hashable]:
+        """The keys that hold a residual."""
+        return iter(list(self._residuals))
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget one key's residual, or all of them."""

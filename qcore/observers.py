@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradq.qcore.codecs import codec_for
+from gradq.qcore.codecs.uniform import UniformCodec
+from gradq.qcore.packing import channel_count
+from gradq.qcore.quantized import LARGEST_QUANTIZABLE, refuse_out_of_range
 from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig, Scheme
 
 __all__ = [
@@ -42,8 +46,14 @@ def calculate_qparams(
     highs = np.asarray(max_vals, np.float32).reshape(-1)
     if lows.shape != highs.shape:
         raise ValueError(f"min_vals has {lows.size} entries, max_vals {highs.size}; expected the same count")
-    if not (np.isfinite(lows).all() and np.isfinite(highs).all()):
-        raise ValueError("min_vals/max_vals hold NaN or Inf; expected finite ranges")
+    for name, values in (("min_vals", lows), ("max_vals", highs)):
+        # Past 2**126 the grid's step overflows float32 (as encode refuses such values).
+        out_of_range = ~(np.abs(values) < LARGEST_QUANTIZABLE)
+        if out_of_range.any():
+            index = int(np.flatnonzero(out_of_range)[0])
+            raise ValueError(
+                f"{name}[{index}]={float(values[index])} is out of range; expected finite values with |v| < 2**126"
+            )
     if (lows > highs).any():
         bad = int(np.flatnonzero(lows > highs)[0])
         raise ValueError(f"min_vals[{bad}]={lows[bad]} > max_vals[{bad}]={highs[bad]}; expected min <= max")
@@ -60,14 +70,16 @@ def _check_grid(bits: int, symmetric: bool) -> None:
     QuantConfig(bits=bits, scheme=Scheme.PER_TENSOR_SYMMETRIC if symmetric else Scheme.PER_TENSOR_AFFINE)
 
 
-def _finite_flat(x: np.ndarray) -> np.ndarray:
+def _nonempty_flat(x: np.ndarray) -> np.ndarray:
     flat = np.ascontiguousarray(np.asarray(x).reshape(-1), dtype=np.float32)
     if flat.size == 0:
         raise ValueError("observe() got an empty array; expected at least one element")
-    if not np.isfinite(flat).all():
-        bad = int(np.flatnonzero(~np.isfinite(flat))[0])
-        raise ValueError(f"x[{bad}]={float(flat[bad])} is not finite; observers need finite values")
     return flat
+
+
+def _refuse_out_of_range(values: np.ndarray, offset: int = 0) -> None:
+    # The range encode accepts: NaN, Inf and |x| >= 2**126 would make qparams that overflow.
+    refuse_out_of_range(values, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126", offset, "observed")
 
 
 class _RangeObserver:
@@ -81,6 +93,7 @@ class _RangeObserver:
         self.max_val: np.ndarray | None = None
 
     def _batch_range(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _refuse_out_of_range(flat)
         return np.array([flat.min()], np.float32), np.array([flat.max()], np.float32)
 
     def _merge(self, low: np.ndarray, high: np.ndarray) -> None:
@@ -90,9 +103,10 @@ class _RangeObserver:
         """Fold the range of ``x`` (flattened) into the running statistics.
 
         Raises:
-            ValueError: if ``x`` is empty or holds NaN/Inf.
+            ValueError: if ``x`` is empty or holds NaN, Inf or ``|x| >= 2**126``
+                (naming the first such index).
         """
-        self._merge(*self._batch_range(_finite_flat(x)))
+        self._merge(*self._batch_range(_nonempty_flat(x)))
 
     def calculate_qparams(self) -> tuple[np.ndarray, np.ndarray]:
         """(scale float32, zero_point int32), one per channel.
@@ -156,10 +170,14 @@ class _PerChannelRange(_RangeObserver):
     def _batch_range(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         from gradq.qcore import _kernels  # numba loads on first use
 
-        num_channels = -(-flat.size // self.channel_size)
+        num_channels = channel_count(flat.size, self.channel_size)
         lows = np.empty(num_channels, np.float32)
         highs = np.empty(num_channels, np.float32)
-        _kernels.ranges_per_channel(flat, self.channel_size, lows, highs)
+        # The kernel stops at the first channel out of range, leaving the rest unset.
+        bad = _kernels.ranges_per_channel(flat, self.channel_size, lows, highs)
+        if bad >= 0:
+            start = bad * self.channel_size
+            _refuse_out_of_range(flat[start : start + self.channel_size], start)
         return lows, highs
 
 
@@ -203,12 +221,20 @@ class PercentileObserver(MinMaxObserver):
         self.percentile = float(percentile)
 
     def _batch_range(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _refuse_out_of_range(flat)
         low, high = np.percentile(flat, [100.0 - self.percentile, self.percentile])
         return np.array([low], np.float32), np.array([high], np.float32)
 
 
 def observer_for(config: QuantConfig) -> MinMaxObserver:
-    """A MinMax observer (per tensor or per channel) matching ``config``'s grid."""
-    if config.scheme.is_per_channel:
-        return PerChannelMinMaxObserver(config.channel_size, config.bits, config.scheme.is_symmetric)
-    return MinMaxObserver(config.bits, config.scheme.is_symmetric)
+    """A MinMax observer (per tensor or per channel) matching ``config``'s grid.
+
+    Raises:
+        ValueError: ``config``'s scheme is not an integer grid (nothing to observe for).
+    """
+    codec = codec_for(config.scheme)
+    if not isinstance(codec, UniformCodec):
+        raise ValueError(f"scheme={codec.name} has no grid to observe; expected an integer-grid scheme")
+    if codec.per_channel:
+        return PerChannelMinMaxObserver(config.channel_size, config.bits, codec.symmetric)
+    return MinMaxObserver(config.bits, codec.symmetric)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pack_bits", "unpack_bits", "packed_size"]
+__all__ = ["channel_count", "pack_bits", "unpack_bits", "packed_size"]
 
 
 def _check_bits(bits: int) -> None:
@@ -15,6 +15,15 @@ def _check_bits(bits: int) -> None:
 def packed_size(numel: int, bits: int) -> int:
     """Bytes needed for ``numel`` levels of ``bits`` bits: ``ceil(numel * bits / 8)``."""
     return (numel * bits + 7) // 8
+
+
+def channel_count(numel: int, channel_size: int) -> int:
+    """Channels of ``channel_size`` consecutive elements that cover ``numel``: ``ceil(numel / channel_size)``.
+
+    The last channel may be shorter; every layer that cuts a flat array into
+    channels (codecs, observers, chunking) counts them here.
+    """
+    return -(-numel // channel_size)
 
 
 def pack_bits(levels: np.ndarray, bits: int) -> np.ndarray:

@@ -23,18 +23,10 @@ class Scheme(enum.IntEnum):
 
     @property
     def is_quantized(self) -> bool:
-        """True for the integer-grid schemes, False for the float pass-through ones."""
-        return self not in (Scheme.FLOAT32, Scheme.FLOAT16)
+        """True for the integer-grid schemes, False for the float pass-through ones (the codec says)."""
+        from gradq.qcore.codecs import codec_for  # the registry imports this module
 
-    @property
-    def is_per_channel(self) -> bool:
-        """True when every channel carries its own scale and zero point."""
-        return self in (Scheme.PER_CHANNEL_AFFINE, Scheme.PER_CHANNEL_SYMMETRIC)
-
-    @property
-    def is_symmetric(self) -> bool:
-        """True when the grid is centred on zero (zero point fixed at mid-range)."""
-        return self in (Scheme.PER_TENSOR_SYMMETRIC, Scheme.PER_CHANNEL_SYMMETRIC)
+        return codec_for(self).quantized
 
     @classmethod
     def parse(cls, value: Scheme | str | int) -> Scheme:
@@ -105,15 +97,13 @@ class QuantConfig:
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits={self.bits!r} is out of range; expected an integer in 1..8")
-        if self.scheme.is_symmetric and self.bits < 2:
-            raise ValueError(
-                f"bits={self.bits} with scheme={self.scheme.name.lower()}: a symmetric grid needs "
-                "bits >= 2 to hold both signs and zero; use an affine scheme for 1 bit"
-            )
         if isinstance(self.channel_size, bool) or not isinstance(self.channel_size, int) or self.channel_size < 1:
             raise ValueError(f"channel_size={self.channel_size!r} is invalid; expected an integer >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} is invalid; expected None or an integer >= 0")
+        from gradq.qcore.codecs import codec_for  # the registry imports this module
+
+        codec_for(self.scheme).check_config(self)
 
     @property
     def qmax(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, Scheme
+from gradq.qcore import QuantConfig, Scheme, codec_for
 
 __all__ = ["RoundPolicy", "PushedGrid", "return_config_for"]
 
@@ -73,9 +73,11 @@ class PushedGrid:
 
 
 def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:
-    """The grid the round's mean goes back on: the policy's, or the pushers' own."""
-    channel_size = pushed.channel_size if pushed.scheme.is_per_channel else DEFAULT_CHANNEL_SIZE
+    """The grid the round's mean goes back on: the policy's, or the one the pushers' codec returns.
+
+    A policy's scheme keeps the pushers' channel size (their codec's choice for the mean).
+    """
+    own = codec_for(pushed.scheme).mean_config(pushed.bits, pushed.channel_size)
     if policy.return_scheme is None:
-        bits = pushed.bits if pushed.scheme.is_quantized else 8
-        return QuantConfig(scheme=pushed.scheme, bits=bits, channel_size=channel_size)
-    return QuantConfig(scheme=policy.return_scheme, bits=policy.return_bits, channel_size=channel_size)
+        return own
+    return QuantConfig(scheme=policy.return_scheme, bits=policy.return_bits, channel_size=own.channel_size)

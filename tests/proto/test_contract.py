@@ -10,7 +10,8 @@ import pytest
 
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.qcore import QuantConfig, Scheme, decode, encode
+from gradq.qcore import QuantConfig, Scheme, codec_for, decode, encode
+from gradq.qcore.codecs import registered_schemes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,4 +65,20 @@ def test_non_finite_float_payload_is_refused_by_index(scheme: Scheme) -> None:
     values = np.array([1, 2, np.nan, 4], np.float16 if scheme is Scheme.FLOAT16 else np.float32)
     message.payload = values.tobytes()
     with pytest.raises(ValueError, match=r"tensor.payload\[2\]=nan is not finite"):
+        tensor_from_proto(message)
+
+
+def test_every_wire_scheme_has_a_codec_and_every_codec_a_wire_scheme() -> None:
+    # The registry's completeness check lives here so qcore never imports protobuf.
+    wire = {name: value for name, value in pb.Scheme.items() if name != "SCHEME_UNSPECIFIED"}
+    codecs = {f"SCHEME_{scheme.name}": int(scheme) for scheme in registered_schemes()}
+    assert codecs == wire
+    for scheme in registered_schemes():
+        assert codec_for(scheme).scheme is scheme
+
+
+def test_an_unknown_scheme_is_refused_with_the_registered_ones_named() -> None:
+    message = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig()))
+    message.scheme = pb.Scheme.Value("SCHEME_UNSPECIFIED")
+    with pytest.raises(ValueError, match=r"tensor.scheme=0 is not a known scheme; expected one of 1 \(FLOAT32\), "):
         tensor_from_proto(message)

@@ -223,3 +223,36 @@ def test_per_channel_observers_reject_a_changed_channel_count(
 def test_observer_arguments_are_validated(build: Any, expected: str) -> None:
     with pytest.raises(ValueError, match=re.escape(expected)):
         build()
+
+
+# Every observer, per-channel ones with 4-element channels.
+ALL_OBSERVERS: list[Any] = [
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    lambda: PerChannelMinMaxObserver(channel_size=4),
+    lambda: MovingAveragePerChannelMinMaxObserver(channel_size=4),
+    PercentileObserver,
+]
+OBSERVER_IDS = ["min_max", "moving_average", "per_channel", "moving_average_per_channel", "percentile"]
+
+
+@pytest.mark.parametrize("make_observer", ALL_OBSERVERS, ids=OBSERVER_IDS)
+@pytest.mark.parametrize("bad", [2.0**126, -(2.0**127), float(np.finfo(np.float32).max)])
+def test_every_observer_refuses_finite_values_encode_refuses_naming_the_index(make_observer: Any, bad: float) -> None:
+    # Index 9 sits in the third 4-element channel, after two good ones.
+    x = np.arange(12, dtype=np.float32)
+    x[9] = bad
+    observer = make_observer()
+    with pytest.raises(ValueError, match=re.escape("x[9]=") + r"\S+ cannot be observed; expected finite values"):
+        observer.observe(x)
+    assert observer.min_val is None  # nothing half-observed is kept
+    with pytest.raises(ValueError, match=re.escape("x[9]=")):
+        encode(x, QuantConfig(channel_size=4))
+
+
+@pytest.mark.parametrize("field", ["min_vals", "max_vals"])
+def test_calculate_qparams_refuses_ranges_past_2_to_the_126(field: str) -> None:
+    ranges = {"min_vals": np.array([-1.0, -1.0], np.float32), "max_vals": np.array([1.0, 1.0], np.float32)}
+    ranges[field][1] = 2.0**126 if field == "max_vals" else -(2.0**126)
+    with pytest.raises(ValueError, match=re.escape(f"{field}[1]=") + r"\S+ is out of range; expected finite values"):
+        calculate_qparams(ranges["min_vals"], ranges["max_vals"])

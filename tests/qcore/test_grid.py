@@ -22,8 +22,19 @@ from gradq.qcore import (
     fake_quantize,
     wire_size,
 )
+from gradq.qcore.codecs import codec_for
+from gradq.qcore.codecs.uniform import UniformCodec
 
 QUANTIZED_SCHEMES = [scheme for scheme in Scheme if scheme.is_quantized]
+
+
+def uniform(scheme: Scheme) -> UniformCodec:
+    """The integer-grid codec of ``scheme``."""
+    codec = codec_for(scheme)
+    assert isinstance(codec, UniformCodec)
+    return codec
+
+
 # One float32 rounding: relative error at most 2**-24.
 UNIT_ROUNDOFF = 2.0**-24
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -38,7 +49,7 @@ def scheme_id(scheme: Scheme) -> str:
 def quantized_configs(draw: st.DrawFn) -> QuantConfig:
     """Any integer grid: scheme, bits (symmetric needs 2+), channel size."""
     scheme = draw(st.sampled_from(QUANTIZED_SCHEMES))
-    bits = draw(st.integers(2 if scheme.is_symmetric else 1, 8))
+    bits = draw(st.integers(uniform(scheme).lowest_bits, 8))
     channel_size = draw(st.integers(1, 300) | st.just(512))
     return QuantConfig(scheme=scheme, bits=bits, channel_size=channel_size)
 
@@ -107,9 +118,9 @@ def test_zeros_decode_to_exactly_zero(x: np.ndarray, config: QuantConfig) -> Non
     config=quantized_configs(),
 )
 def test_constant_channels_round_trip_exactly(values: list[float], config: QuantConfig) -> None:
-    channel_size = config.channel_size if config.scheme.is_per_channel else 7
+    channel_size = config.channel_size if uniform(config.scheme).per_channel else 7
     x = np.repeat(np.array(values, np.float32), channel_size)
-    if not config.scheme.is_per_channel:
+    if not uniform(config.scheme).per_channel:
         x[:] = x[0]
 
     np.testing.assert_array_equal(fake_quantize(x, config), x)

@@ -1,0 +1,207 @@
+"""What a codec is: the one place a wire scheme's encoding, decoding, sizes and checks live."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from gradq.qcore.packing import packed_size
+from gradq.qcore.quantized import METADATA_BYTES, QuantizedArray
+from gradq.qcore.scheme import QuantConfig, Rounding, Scheme
+
+__all__ = ["Codec", "DeviceEncoding", "TorchTwin", "noise_key"]
+
+
+def noise_key(config: QuantConfig, rng: np.random.Generator | None) -> int:
+    """The key of the stochastic-rounding noise for one encode; -1 for nearest rounding.
+
+    Both array libraries draw it here, from the same generator, so a torch encode
+    and a numpy encode of the same values with the same generator agree byte for byte.
+    """
+    if config.rounding is not Rounding.STOCHASTIC:
+        return -1
+    generator = rng if rng is not None else np.random.default_rng(config.seed)
+    return int(generator.integers(0, 2**62))
+
+
+class DeviceEncoding(NamedTuple):
+    """A codec's output while it is still on a torch device (tensors typed ``Any``: qcore imports no torch)."""
+
+    bits: int
+    channel_size: int
+    scale: Any  # float32, one per channel
+    zero_point: Any  # int32, one per channel
+    payload: Any  # uint8, ceil(numel * bits / 8)
+
+
+class TorchTwin(Protocol):
+    """A codec's arithmetic in torch ops, byte-identical to the numpy codec, on any device."""
+
+    def encode(self, flat: Any, config: QuantConfig, rng: np.random.Generator | None) -> DeviceEncoding:
+        """Encode a flat float32 tensor on its device.
+
+        Raises:
+            ValueError: for a value the numpy codec refuses, with its message.
+        """
+
+    def decode(self, encoding: DeviceEncoding, numel: int, out: Any) -> None:
+        """Write the decoded values into ``out``, a flat float32 tensor of ``numel`` elements."""
+
+
+class Codec(ABC):
+    """One wire scheme: encode, decode (or accumulate), wire size, untrusted-header checks, the mean's grid.
+
+    Args:
+        scheme: the wire enum value this codec answers for.
+        twin_module: module holding the torch twin (its ``twin(codec)``), imported on first use.
+    """
+
+    quantized: bool  # levels on an integer grid (False: a float pass-through)
+
+    def __init__(self, scheme: Scheme, twin_module: str) -> None:
+        self.scheme = scheme
+        self._twin_module = twin_module
+        self._twin: TorchTwin | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scheme.name})"
+
+    @property
+    def name(self) -> str:
+        """The scheme's lower-case name, as flags and messages spell it."""
+        return self.scheme.name.lower()
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def wire_bits(self, config: QuantConfig) -> int:
+        """Bits per element in the payload for ``config``."""
+
+    @abstractmethod
+    def wire_channel_size(self, numel: int, channel_size: int) -> int:
+        """The ``channel_size`` an encoding of ``numel`` elements carries on the wire."""
+
+    @abstractmethod
+    def num_channels(self, numel: int, channel_size: int) -> int:
+        """(scale, zero_point) pairs an encoding of ``numel`` elements carries."""
+
+    def wire_size(self, numel: int, config: QuantConfig) -> int:
+        """Bytes an encoding of ``numel`` elements occupies on the wire, metadata included.
+
+        Args:
+            numel: element count, >= 0.
+            config: the grid.
+
+        Returns:
+            Payload, plus 4 + 4 bytes per channel, plus ``METADATA_BYTES``.
+        """
+        if numel < 0:
+            raise ValueError(f"numel={numel} is negative; expected >= 0")
+        channels = self.num_channels(numel, self.wire_channel_size(numel, config.channel_size))
+        return METADATA_BYTES + packed_size(numel, self.wire_bits(config)) + 8 * channels
+
+    # -- numpy arithmetic ------------------------------------------------------------------------
+
+    @abstractmethod
+    def check_config(self, config: QuantConfig) -> None:
+        """Refuse a config this scheme cannot carry (QuantConfig calls it).
+
+        Raises:
+            ValueError: naming the field, its value and what was expected.
+        """
+
+    @abstractmethod
+    def encode(
+        self,
+        flat: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        qparams: tuple[np.ndarray, np.ndarray] | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Encode a contiguous flat float32 array (see ``gradq.qcore.encode``)."""
+
+    @abstractmethod
+    def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
+        """``out (+)= decode(q)``, then ``/ divisor`` when accumulating; ``out`` is checked by the caller."""
+
+    @abstractmethod
+    def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
+        """The grid the aggregator returns the mean on when the pushers used this scheme."""
+
+    # -- untrusted input ---------------------------------------------------------------------------
+
+    def from_wire(
+        self,
+        field: str,
+        bits: int,
+        numel: int,
+        channel_size: int,
+        scale: bytes,
+        zero_point: bytes,
+        payload: memoryview | bytes,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Check a received encoding field by field and view it as a QuantizedArray (no payload copy).
+
+        Args:
+            field: the tensor's name in its message, for error messages.
+            bits, numel, channel_size: the header as received.
+            scale, zero_point: little-endian float32 / int32 bytes.
+            payload: the packed levels.
+            dtype: the sender's element type (checked by the caller).
+
+        Returns:
+            The QuantizedArray; its arrays are read-only views of the given bytes.
+
+        Raises:
+            ValueError: naming the offending field, its value and what was expected.
+        """
+        self._check_header(field, bits, numel, channel_size)
+        expected_payload = packed_size(numel, bits)
+        if len(payload) != expected_payload:
+            raise ValueError(
+                f"{field}.payload has {len(payload)} bytes; expected ceil(numel * bits / 8) = "
+                f"{expected_payload} for numel={numel}, bits={bits}"
+            )
+        channels = self.num_channels(numel, channel_size)
+        for name, raw in (("scale", scale), ("zero_point", zero_point)):
+            if len(raw) != 4 * channels:
+                raise ValueError(
+                    f"{field}.{name} has {len(raw)} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
+                )
+        scales = np.frombuffer(scale, "<f4")
+        bad_scale = ~(np.isfinite(scales) & (scales > 0))
+        if bad_scale.any():
+            index = int(np.flatnonzero(bad_scale)[0])
+            raise ValueError(f"{field}.scale[{index}]={float(scales[index])} is invalid; expected a finite number > 0")
+        zero_points = np.frombuffer(zero_point, "<i4")
+        levels = np.frombuffer(payload, np.uint8)
+        self._check_values(field, bits, zero_points, levels)
+        return QuantizedArray(self.scheme, bits, numel, channel_size, scales, zero_points, levels, dtype)
+
+    @abstractmethod
+    def _check_header(self, field: str, bits: int, numel: int, channel_size: int) -> None:
+        """Refuse bits or a channel size this scheme does not produce."""
+
+    @abstractmethod
+    def _check_values(self, field: str, bits: int, zero_point: np.ndarray, payload: np.ndarray) -> None:
+        """Refuse qparams off the grid, or payload values the receiver must not decode."""
+
+    def _check_whole_tensor(self, field: str, numel: int, channel_size: int) -> None:
+        # Per-tensor grids write max(numel, 1), float pass-throughs numel: both mean one whole tensor.
+        if channel_size != max(numel, 1) and channel_size != numel:
+            raise ValueError(
+                f"{field}.channel_size={channel_size} is invalid; expected numel={numel} for {self.scheme.name}"
+            )
+
+    # -- torch ---------------------------------------------------------------------------------------
+
+    def torch(self) -> TorchTwin:
+        """The torch twin (imports torch on the first call)."""
+        if self._twin is None:
+            self._twin = importlib.import_module(self._twin_module).twin(self)
+        return self._twin
