@@ -45,7 +45,7 @@ _RESERVED_WORKERS = 16
 # How often the sweeper closes rounds past their deadline that nobody waits for and expires idle jobs.
 _SWEEP_PERIOD_S = 0.25
 # Return freed heap to the OS once the budget's use has fallen by this much since the last time.
-_TRIM_AFTER_BYTES = 64 << 20
+_TRIM_AFTER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
