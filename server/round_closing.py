@@ -111,7 +111,7 @@ class RoundCloser:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
         rnd.accumulator = None
         retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
-        self._budget.adjust(rnd.charged, retained)
+        self._budget.adjust(rnd.charged, retained, job.memory)
         rnd.charged = retained
         rnd.done.set()
         for wake in rnd.wakers:
@@ -130,7 +130,9 @@ class RoundCloser:
                 dropped.append(job.rounds.pop(key))
         for old in dropped:
             if old is not rnd:
-                self._budget.adjust(old.charged, 0)  # its lock is not needed: a done round's charge is final
+                self._budget.adjust(
+                    old.charged, 0, job.memory
+                )  # its lock is not needed: a done round's charge is final
                 old.charged = 0
 
 

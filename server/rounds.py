@@ -123,7 +123,7 @@ class RoundTable:
                             RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}"),
                             "retired",
                         )
-                    self.budget.adjust(rnd.charged, 0)
+                    self.budget.adjust(rnd.charged, 0, gone.job.memory)
                     rnd.charged = 0
 
     # -- the round --------------------------------------------------------------------------
@@ -234,12 +234,12 @@ class RoundTable:
                 f"{self.limits.max_open_rounds}); finish them before starting round (step={step}, bucket={bucket})"
             )
         accumulator = 4 * tensor.numel
-        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})")
+        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})", job.memory)
         grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
         try:
             rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
         except MemoryError:
-            self.budget.adjust(accumulator, 0)
+            self.budget.adjust(accumulator, 0, job.memory)
             raise
         rnd.charged = accumulator
         job.rounds[(step, bucket)] = rnd
