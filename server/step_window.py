@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 
 from gradq.qcore import QuantizedArray
+from gradq.qcore.codecs import codec_for
 from gradq.server.errors import FailedPreconditionError
 from gradq.server.jobs import Job
 
@@ -57,12 +58,12 @@ def check_grid(job: Job, tensor: QuantizedArray) -> None:
     """Fix the job's grid on its first push; refuse a push on another. Caller holds the job table's lock.
 
     Per-tensor schemes have no channel size of their own (it is the bucket's
-    numel), so only per-channel schemes compare it.
+    numel), so their codec leaves it out of the grid.
 
     Raises:
         FailedPreconditionError: naming both grids.
     """
-    grid = (tensor.scheme.name, tensor.bits, tensor.channel_size if tensor.scheme.is_per_channel else 0)
+    grid = (tensor.scheme.name, tensor.bits, codec_for(tensor.scheme).grid_channel_size(tensor.channel_size))
     if job.grid is None:
         job.grid = grid
     elif grid != job.grid:

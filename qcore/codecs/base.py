@@ -132,6 +132,14 @@ class Codec(ABC):
     def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
         """The grid the aggregator returns the mean on when the pushers used this scheme."""
 
+    def grid_channel_size(self, channel_size: int) -> int:
+        """The channel size that is part of a push's grid: 0 for schemes without channels of their own.
+
+        Every push of one job must agree on (scheme, bits, this); a per-tensor
+        push's ``channel_size`` is just its element count, so it is left out.
+        """
+        return 0
+
     # -- untrusted input ---------------------------------------------------------------------------
 
     def from_wire(

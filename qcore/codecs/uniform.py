@@ -62,6 +62,10 @@ class UniformCodec(Codec):
                 "both signs and zero; use an affine scheme for 1 bit"
             )
 
+    def grid_channel_size(self, channel_size: int) -> int:
+        """Per-channel grids: their channel size; per-tensor ones: 0."""
+        return channel_size if self.per_channel else 0
+
     def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
         """The pushers' own grid: same scheme and bits (and channel size, per channel)."""
         return QuantConfig(self.scheme, bits, channel_size if self.per_channel else DEFAULT_CHANNEL_SIZE)
