@@ -69,7 +69,7 @@ class Method:
     peer: str | None = None  # a PEER_HOOKS key; None with neither peer nor bits: plain DDP allreduce
     bits: int | None = None  # gradq push bits
     error_feedback: bool = False
-    channel_size: int = DEFAULT_CHANNEL_SIZE
+    channel_size: int = 0  # 0: QuantConfig's default for the bits (128 at 1 and 2 bits, else 512)
     rounding: str = "nearest"
     server_flags: tuple[str, ...] = ()  # `gradq serve` flags of the aggregator this row needs
 
@@ -121,11 +121,19 @@ CANDIDATE_METHODS = (
     ),
     Method(
         "gradq2ef-c128",
-        "gradq 2-bit + EF, 128-element channels",
+        "gradq 2-bit + EF, 128-element channels (the default)",
         "gradq2ef-2",
         bits=2,
         error_feedback=True,
         channel_size=128,
+    ),
+    Method(
+        "gradq2ef-c512",
+        "gradq 2-bit + EF, 512-element channels",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        channel_size=DEFAULT_CHANNEL_SIZE,
     ),
     Method(
         "gradq2ef-c256",

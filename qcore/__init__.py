@@ -21,10 +21,11 @@ from gradq.qcore.observers import (
     observer_for,
 )
 from gradq.qcore.packing import channel_count, pack_bits, packed_size, unpack_bits
-from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme
+from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, LOW_BIT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme
 
 __all__ = [
     "DEFAULT_CHANNEL_SIZE",
+    "LOW_BIT_CHANNEL_SIZE",
     "Codec",
     "METADATA_BYTES",
     "ErrorFeedback",

@@ -36,7 +36,7 @@ REJECTED_FIELDS = [
     ({"bits": 9}, "bits=9"),
     ({"bits": True}, "bits=True"),
     ({"bits": 2.5}, "bits=2.5"),
-    ({"channel_size": 0}, "channel_size=0"),
+    ({"channel_size": -1}, "channel_size=-1"),
     ({"channel_size": True}, "channel_size=True"),
     ({"scheme": "per_row"}, "scheme='per_row'"),
     ({"scheme": 7}, "scheme=7"),
@@ -256,3 +256,9 @@ def test_calculate_qparams_refuses_ranges_past_2_to_the_126(field: str) -> None:
     ranges[field][1] = 2.0**126 if field == "max_vals" else -(2.0**126)
     with pytest.raises(ValueError, match=re.escape(f"{field}[1]=") + r"\S+ is out of range; expected finite values"):
         calculate_qparams(ranges["min_vals"], ranges["max_vals"])
+
+
+@pytest.mark.parametrize(("bits", "expected"), [(1, 128), (2, 128), (3, 512), (4, 512), (8, 512)])
+def test_default_channel_size_is_smaller_at_one_and_two_bits(bits: int, expected: int) -> None:
+    assert QuantConfig(bits=bits).channel_size == expected
+    assert QuantConfig(bits=bits, channel_size=64).channel_size == 64  # an explicit size always wins
