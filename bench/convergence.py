@@ -68,6 +68,7 @@ class Method:
     network_key: str  # the bench/network.py row with the same wire traffic per step
     peer: str | None = None  # a PEER_HOOKS key; None with neither peer nor bits: plain DDP allreduce
     bits: int | None = None  # gradq push bits
+    scheme: str = "per_channel_affine"  # gradq push scheme
     error_feedback: bool = False
     channel_size: int = 0  # 0: QuantConfig's default for the bits (128 at 1 and 2 bits, else 512)
     rounding: str = "nearest"
@@ -126,6 +127,23 @@ CANDIDATE_METHODS = (
         bits=2,
         error_feedback=True,
         channel_size=128,
+    ),
+    Method(
+        "gradq1sign",
+        "gradq 1-bit scaled sign + EF",
+        "gradq1sign-2",
+        bits=1,
+        scheme="per_channel_sign",
+        error_feedback=True,
+    ),
+    Method(
+        "gradq1sign-sef",
+        "gradq 1-bit scaled sign + EF, server EF",
+        "gradq1sign-2",
+        bits=1,
+        scheme="per_channel_sign",
+        error_feedback=True,
+        server_flags=_SERVER_FEEDBACK,
     ),
     Method(
         "gradq2ef-c512",
@@ -197,7 +215,7 @@ def _attach(model: DistributedDataParallel, method: Method, spec: JobSpec, job_i
         peer = PEER_HOOKS[method.peer]
         model.register_comm_hook(peer.make_state(POWERSGD_START_STEP), peer.hook)
     elif method.bits is not None:
-        config = QuantConfig(bits=method.bits, channel_size=method.channel_size, rounding=method.rounding, seed=SEED)
+        config = QuantConfig(method.scheme, method.bits, method.channel_size, method.rounding, seed=SEED)
         address = spec.aggregators[" ".join(method.server_flags)]
         state = GradqHookState(address, config, error_feedback=method.error_feedback, job_id=job_id)
         model.register_comm_hook(state, gradq_hook)

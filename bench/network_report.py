@@ -34,6 +34,7 @@ class Method:
     bits: int | None = None  # gradq push bits; None: no aggregator involved
     error_feedback: bool = False  # gradq: carry quantization error into the next step
     shards: int = 0  # gradq: aggregator shards used
+    scheme: str = "per_channel_affine"  # gradq push scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +128,16 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _largest_share(bucket_numels: Sequence[int], shards: int, chunk_elements: int, bits: int) -> float | None:
+def _largest_share(
+    bucket_numels: Sequence[int], shards: int, chunk_elements: int, scheme: str, bits: int
+) -> float | None:
     # The client's own rules: buckets cut into chunk rounds, each round's key picks its shard.
     if shards < 1 or not bucket_numels:
         return None
     loads = [0] * shards
     for bucket, numel in enumerate(bucket_numels):
         for index, (begin, end) in enumerate(
-            chunk_bounds(numel, chunk_elements, QuantConfig(bits=bits).channel_size, shards)
+            chunk_bounds(numel, chunk_elements, QuantConfig(scheme, bits).channel_size, shards)
         ):
             loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
     return max(loads) / sum(loads)
@@ -155,7 +158,9 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         overlap=_median([(window - after) / window for window, after in steps if window > 0]),
         tx_per_step=statistics.fmean(result.tx_per_step for result in per_rank),
         rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
-        largest_share=_largest_share(first.bucket_numels, method.shards, scenario.chunk_elements, method.bits or 8),
+        largest_share=_largest_share(
+            first.bucket_numels, method.shards, scenario.chunk_elements, method.scheme, method.bits or 8
+        ),
         numel=first.numel,
         cpu_ms=1e3 * first.cpu_busy_s / len(first.step_s),
         busy=first.cpu_busy_s / first.cpu_total_s if first.cpu_total_s > 0 else None,

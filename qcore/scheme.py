@@ -26,6 +26,7 @@ class Scheme(enum.IntEnum):
     PER_TENSOR_SYMMETRIC = 4
     PER_CHANNEL_AFFINE = 5
     PER_CHANNEL_SYMMETRIC = 6
+    PER_CHANNEL_SIGN = 7
 
     @property
     def is_quantized(self) -> bool:
@@ -108,8 +109,11 @@ class QuantConfig:
         if isinstance(self.channel_size, bool) or not isinstance(self.channel_size, int) or self.channel_size < 0:
             raise ValueError(f"channel_size={self.channel_size!r} is invalid; expected an integer >= 1 (0: default)")
         if self.channel_size == 0:
-            default = LOW_BIT_CHANNEL_SIZE if self.bits <= _LOW_BITS else DEFAULT_CHANNEL_SIZE
-            object.__setattr__(self, "channel_size", default)
+            # Asks the codec: a scaled sign is 1 bit whatever ``bits`` says.
+            from gradq.qcore.codecs import codec_for  # the registry imports this module
+
+            low = codec_for(self.scheme).wire_bits(self) <= _LOW_BITS
+            object.__setattr__(self, "channel_size", LOW_BIT_CHANNEL_SIZE if low else DEFAULT_CHANNEL_SIZE)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} is invalid; expected None or an integer >= 0")
         from gradq.qcore.codecs import codec_for  # the registry imports this module

@@ -16,6 +16,7 @@ class Scheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEME_PER_TENSOR_SYMMETRIC: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_AFFINE: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_SYMMETRIC: _ClassVar[Scheme]
+    SCHEME_PER_CHANNEL_SIGN: _ClassVar[Scheme]
 SCHEME_UNSPECIFIED: Scheme
 SCHEME_FLOAT32: Scheme
 SCHEME_FLOAT16: Scheme
@@ -23,6 +24,7 @@ SCHEME_PER_TENSOR_AFFINE: Scheme
 SCHEME_PER_TENSOR_SYMMETRIC: Scheme
 SCHEME_PER_CHANNEL_AFFINE: Scheme
 SCHEME_PER_CHANNEL_SYMMETRIC: Scheme
+SCHEME_PER_CHANNEL_SIGN: Scheme
 
 class QuantizedTensor(_message.Message):
     __slots__ = ("scheme", "bits", "numel", "channel_size", "scale", "zero_point", "payload", "dtype")

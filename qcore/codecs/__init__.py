@@ -8,14 +8,16 @@ name the same schemes.
 
 from __future__ import annotations
 
-from gradq.qcore.codecs import floating, uniform
+from gradq.qcore.codecs import floating, sign, uniform
 from gradq.qcore.codecs.base import Codec, DeviceEncoding, TorchTwin, noise_key
 from gradq.qcore.scheme import Scheme
 
 __all__ = ["Codec", "DeviceEncoding", "TorchTwin", "codec_for", "noise_key", "registered_schemes"]
 
 # Keyed by the enum's integer value, which is what arrives off the wire.
-_REGISTRY: dict[int, Codec] = {int(codec.scheme): codec for module in (floating, uniform) for codec in module.CODECS}
+_REGISTRY: dict[int, Codec] = {
+    int(codec.scheme): codec for module in (floating, uniform, sign) for codec in module.CODECS
+}
 
 
 def codec_for(scheme: Scheme | int) -> Codec:

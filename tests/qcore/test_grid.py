@@ -25,7 +25,8 @@ from gradq.qcore import (
 from gradq.qcore.codecs import codec_for
 from gradq.qcore.codecs.uniform import UniformCodec
 
-QUANTIZED_SCHEMES = [scheme for scheme in Scheme if scheme.is_quantized]
+# The integer grids: the scaled sign (tests/qcore/test_sign_codec.py) has levels of its own.
+QUANTIZED_SCHEMES = [scheme for scheme in Scheme if isinstance(codec_for(scheme), UniformCodec)]
 
 
 def uniform(scheme: Scheme) -> UniformCodec:
