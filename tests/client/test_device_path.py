@@ -41,7 +41,10 @@ def shards() -> Iterator[list[AggregatorServer]]:
         server.stop()
 
 
-def reduce_with(codec: str, shards: list[AggregatorServer], config: QuantConfig, error_feedback: bool, dtype: str):  # type: ignore[no-untyped-def]
+def reduce_with(
+    codec: str, shards: list[AggregatorServer], config: QuantConfig, error_feedback: bool, dtype: str
+) -> tuple[list[list[np.ndarray]], dict[int, list[np.ndarray]], list[int]]:
+    """(each rank's gradients, what DDP handed each rank, rounds each shard completed) for one codec."""
     rng = np.random.default_rng(11)
     gradients = [[rng.normal(0, 1e-2, NUMEL).astype(np.float32) for _ in range(STEPS)] for _ in range(WORLD)]
     state = GradqHookState(
