@@ -178,7 +178,7 @@ class RoundTable:
             job = self.jobs.member(job_id, rank, incarnation, self._clock())
             check_grid(job, tensor)
             rnd = job.rounds.get((step, bucket))
-            if rnd is not None and self._superseded_failure(rnd, rank):
+            if rnd is not None and self._superseded_failure(rnd):
                 del job.rounds[(step, bucket)]
                 rnd = None
             if rnd is None:
@@ -212,15 +212,16 @@ class RoundTable:
                     self._closer.finish(job, rnd)
         return RoundTicket(job, rnd, rank)
 
-    def _superseded_failure(self, rnd: Round, rank: int) -> bool:
+    def _superseded_failure(self, rnd: Round) -> bool:
         """A round that failed for lack of ranks, old enough that a new push starts it afresh.
 
         For one round timeout past its deadline it answers its failure to late
-        ranks, so the stragglers of that attempt learn of it at once; after
-        that it must not break a later push of the same (step, bucket), such as
-        a legitimate step that a stray far-ahead push had opened too early.
+        ranks and retries, so the stragglers of that attempt learn of it at
+        once; after that it must not break a later push of the same (step,
+        bucket), such as a legitimate step that a stray far-ahead push had
+        opened too early (even from the same rank's credentials).
         """
-        aborted = isinstance(rnd.error, RoundAbortedError) and rank not in rnd.contributors
+        aborted = isinstance(rnd.error, RoundAbortedError)
         return aborted and self._clock() >= rnd.deadline + self.policy.round_timeout_s
 
     def _open_round(self, job: Job, step: int, bucket: int, tensor: QuantizedArray) -> Round:

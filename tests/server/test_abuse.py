@@ -56,7 +56,7 @@ def code_and_details(call: grpc.Future | grpc.RpcError) -> tuple[grpc.StatusCode
 
 
 def test_1_a_stray_far_ahead_step_never_locks_the_job() -> None:
-    server = serve(RoundPolicy(round_timeout_s=0.3), ServiceLimits(max_steps_ahead=4))
+    server = serve(RoundPolicy(round_timeout_s=1.0), ServiceLimits(max_steps_ahead=4))
     address = f"127.0.0.1:{server.port}"
     try:
         legit = LegitJob(address, "fut", 2)
@@ -70,8 +70,8 @@ def test_1_a_stray_far_ahead_step_never_locks_the_job() -> None:
         with pytest.raises(grpc.RpcError) as aborted:
             attacker.PushPull(push_request("fut", 1, 7, gradient(1, 7)), timeout=5)
         assert code_and_details(aborted.value)[0] == grpc.StatusCode.ABORTED
-        time.sleep(0.35)  # past the failed round's answer period
-        legit.run(range(5, 12))
+        time.sleep(1.05)  # past the failed round's answer period
+        legit.run(range(5, 12))  # step 7 included: rank 1's stray push there is not mixed in
         legit.close()
         channel.close()
     finally:
@@ -213,7 +213,7 @@ def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back(
 
 
 def test_5_membership_is_bounded_and_join_responses_do_not_grow() -> None:
-    limits = ServiceLimits(max_jobs=20, max_world_size=64, job_idle_timeout_s=1.0)
+    limits = ServiceLimits(max_jobs=20, max_world_size=64, job_idle_timeout_s=3.0)
     server = serve(RoundPolicy(round_timeout_s=5.0), limits)
     address = f"127.0.0.1:{server.port}"
     try:
@@ -232,7 +232,7 @@ def test_5_membership_is_bounded_and_join_responses_do_not_grow() -> None:
             attacker.Join(pb.JoinRequest(job_id="storm-last", rank=0, world_size=2), timeout=5)
         code, details = code_and_details(full.value)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-jobs=20" in details
-        time.sleep(1.6)  # idle jobs expire
+        time.sleep(3.6)  # idle jobs expire
         assert server.table.active_jobs() == {}
         run_legit_job(address, "legit", 2, range(3))
         channel.close()
