@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook  # noqa: E402
 from gradq.client.demo import free_port, local_aggregator  # noqa: E402
-from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig  # noqa: E402
+from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme  # noqa: E402
 
 SEED = 0
 POWERSGD_START_STEP = 10  # plain allreduce for the first steps, as PyTorch's docs advise
@@ -215,7 +215,9 @@ def _attach(model: DistributedDataParallel, method: Method, spec: JobSpec, job_i
         peer = PEER_HOOKS[method.peer]
         model.register_comm_hook(peer.make_state(POWERSGD_START_STEP), peer.hook)
     elif method.bits is not None:
-        config = QuantConfig(method.scheme, method.bits, method.channel_size, method.rounding, seed=SEED)
+        config = QuantConfig(
+            Scheme.parse(method.scheme), method.bits, method.channel_size, Rounding.parse(method.rounding), seed=SEED
+        )
         address = spec.aggregators[" ".join(method.server_flags)]
         state = GradqHookState(address, config, error_feedback=method.error_feedback, job_id=job_id)
         model.register_comm_hook(state, gradq_hook)

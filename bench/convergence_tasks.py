@@ -85,13 +85,13 @@ class CharTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCABULARY)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-character logits for every position of ``tokens`` (batch, length <= CONTEXT)."""
         length = tokens.shape[1]
         hidden = self.embed(tokens) * math.sqrt(self.embed.embedding_dim) + self.position[:length]
-        hidden = self.blocks(hidden, mask=self.mask[:length, :length], is_causal=True)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        hidden = self.blocks(hidden, mask=mask, is_causal=True)
         return self.head(self.norm(hidden))
 
 

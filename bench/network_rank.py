@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig
+from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [
     "MODELS",
@@ -168,7 +168,7 @@ def _batches(rank: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState | None]:
     """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
     if method.bits is not None:
-        config = QuantConfig(method.scheme, method.bits)
+        config = QuantConfig(Scheme.parse(method.scheme), method.bits)
         addresses = list(spec.aggregators[: method.shards])
         state = GradqHookState(
             addresses,

@@ -12,7 +12,7 @@ import netns
 from cpu_busy import CORES
 
 from gradq.client.chunks import chunk_bounds, chunk_key, shard_for
-from gradq.qcore import QuantConfig
+from gradq.qcore import QuantConfig, Scheme
 
 __all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
 
@@ -137,7 +137,7 @@ def _largest_share(
     loads = [0] * shards
     for bucket, numel in enumerate(bucket_numels):
         for index, (begin, end) in enumerate(
-            chunk_bounds(numel, chunk_elements, QuantConfig(scheme, bits).channel_size, shards)
+            chunk_bounds(numel, chunk_elements, QuantConfig(Scheme.parse(scheme), bits).channel_size, shards)
         ):
             loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
     return max(loads) / sum(loads)

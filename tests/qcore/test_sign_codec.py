@@ -65,8 +65,8 @@ def test_an_all_zero_channel_decodes_to_the_smallest_magnitude() -> None:
 
 
 def test_defaults_and_refusals() -> None:
-    assert QuantConfig(scheme="per_channel_sign").channel_size == LOW_BIT_CHANNEL_SIZE
-    assert encode(np.ones(3, np.float32), QuantConfig(scheme="per_channel_sign", bits=8)).bits == 1
+    assert QuantConfig(scheme=Scheme.parse("per_channel_sign")).channel_size == LOW_BIT_CHANNEL_SIZE
+    assert encode(np.ones(3, np.float32), QuantConfig(scheme=Scheme.PER_CHANNEL_SIGN, bits=8)).bits == 1
     with pytest.raises(ValueError, match=r"x\[1\]=nan cannot be encoded"):
         encode(np.array([0.0, np.nan], np.float32), SIGN)
     with pytest.raises(ValueError, match="qparams are not used"):
