@@ -7,7 +7,7 @@ the gRPC completion callback fills the returned future with the averaged bucket.
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
 # registration and needs real types, not strings.
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.hook_env import hook_arguments_from_env
 from gradq.client.hook_errors import BackwardFailures
 from gradq.client.hook_lifecycle import Membership, draw_run_names
 from gradq.client.security import ChannelSecurity
@@ -142,6 +143,24 @@ class GradqHookState:
         self.max_in_flight = max_in_flight
         self.step = 0
         self._reset_connection()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "GradqHookState":
+        """A state configured by the GRADQ_* variables `gradq worker` and the Compose workers use.
+
+        Args:
+            environ: the variables (None: ``os.environ``); see
+                gradq.client.hook_env.HOOK_ENVIRONMENT for their names.
+            overrides: constructor arguments that win over the variables
+                (e.g. ``fallback="allreduce"``).
+
+        Returns:
+            The configured state (not yet connected).
+
+        Raises:
+            ValueError: GRADQ_AGGREGATOR is unset, or a variable holds a bad value.
+        """
+        return cls(**{**hook_arguments_from_env(environ), **overrides})
 
     def _reset_connection(self) -> None:
         """The fields a new or unpickled state starts without: nothing is connected yet."""
