@@ -43,6 +43,7 @@ DEFAULT_HOOK_IN_FLIGHT = 2
 # What a pickled state leaves out: a copy is a configuration and connects as a new incarnation.
 _UNPICKLED = frozenset(
     {
+        "__weakref__",
         "_client",
         "_closed",
         "_failures",
@@ -84,6 +85,7 @@ class GradqHookState:
     """
 
     __slots__ = (
+        "__weakref__",  # Membership leaves the job when the state is collected
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_failures",  # bucket failures held until DDP's backward ends, then raised typed
