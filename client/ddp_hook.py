@@ -202,7 +202,13 @@ class GradqHookState:
         return self._mode
 
     def stats(self) -> ClientStats | None:
-        """The worker client's figures (encode/network/decode time, bytes, ratio, error); None if not connected."""
+        """The worker client's figures; None if not connected.
+
+        Returns:
+            Encode / network / decode time, bytes each way, relative error, and
+            the compression ratio against the buckets' own dtype (``dtype``
+            names it: a bf16 bucket is compared with 2 bytes per element).
+        """
         return self._client.stats() if self._client is not None else None
 
     def close(self) -> None:

@@ -238,7 +238,7 @@ class WorkerClient:
         parts: list[concurrent.futures.Future[np.ndarray]] = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
             error_ratio = self._sampled_error(key, flat[begin:end], tensor)
-            self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
+            self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio, tensor.dtype)
             try:
                 parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
             except AggregationError as error:
@@ -336,7 +336,7 @@ class WorkerClient:
             self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnation
         )
         if not counted:
-            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
+            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)
         if self._window.admit(shard, pending):
             self._start(pending)
         return pending.result
