@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.hook_checkpoint import BucketResiduals, checkpoint_of, resume_from
 from gradq.client.hook_env import hook_arguments_from_env
 from gradq.client.hook_errors import BackwardFailures
 from gradq.client.hook_lifecycle import Membership, draw_run_names
@@ -44,6 +45,7 @@ DEFAULT_HOOK_IN_FLIGHT = 2
 _UNPICKLED = frozenset(
     {
         "__weakref__",
+        "_bucket_residuals",
         "_client",
         "_closed",
         "_failures",
@@ -86,6 +88,7 @@ class GradqHookState:
 
     __slots__ = (
         "__weakref__",  # Membership leaves the job when the state is collected
+        "_bucket_residuals",  # names buckets by their parameters: residuals survive rebuilds and checkpoints
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_failures",  # bucket failures held until DDP's backward ends, then raised typed
@@ -173,7 +176,32 @@ class GradqHookState:
         self._sender_pool: ThreadPoolExecutor | None = None
         self._membership: Membership | None = None
         self._failures = BackwardFailures()
+        self._bucket_residuals = BucketResiduals()
         self._closed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that resuming keeps error feedback (``torch.save`` it with the model).
+
+        Returns:
+            ``step`` (the next round's step), ``config`` (the push grid as plain
+            values), ``error_feedback``, and ``residuals``: each bucket's residual
+            as a flat float32 CPU tensor, keyed by the bucket's parameters'
+            dtypes and shapes (see gradq.client.hook_checkpoint), so a resume
+            on another device or after DDP's bucket rebuild still matches.
+        """
+        return checkpoint_of(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``'s output; call it before the first backward.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (e.g. after ``torch.load``).
+
+        Raises:
+            RuntimeError: the state has connected already (its grid is in use).
+            ValueError: a key is missing or holds a bad value.
+        """
+        resume_from(self, state_dict)
 
     def _sender(self) -> ThreadPoolExecutor:
         if self._sender_pool is None:
@@ -299,6 +327,8 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         state._connect()
     if state.mode != "gradq":
         return _FALLBACK_HOOKS[str(state.mode)](state, bucket)
+    if state.error_feedback:
+        state._bucket_residuals.observe(state, bucket)
     return state._failures.guard(_push_bucket(state, bucket), bucket.buffer())
 
 

@@ -55,6 +55,15 @@ class ErrorFeedback:
         """The residual currently held for ``key`` (None if there is none)."""
         return self._residuals.get(key)
 
+    def restore(self, key: Hashable, residual: np.ndarray) -> None:
+        """Hold ``residual`` for ``key`` (e.g. from a checkpoint); the next ``encode`` of that size adds it.
+
+        Args:
+            key: the stream (bucket) it belongs to.
+            residual: what earlier sends of ``key`` lost (flattened to float32).
+        """
+        self._residuals[key] = np.array(residual, dtype=np.float32, copy=True).reshape(-1)
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget one key's residual, or all of them."""
         if key is None:
