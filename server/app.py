@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -17,17 +18,34 @@ from grpc_reflection.v1alpha import reflection
 
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
 from gradq.server.auth import TokenAuthInterceptor, TokenTable
+from gradq.server.budget import return_free_memory
+from gradq.server.limits import ServiceLimits
 from gradq.server.metrics import RoundMetrics
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
+from gradq.server.waiting import WaitingCalls
 
-__all__ = ["AggregatorServer", "ServerOptions", "TlsFiles", "SERVICE_NAME", "DEFAULT_MAX_MESSAGE_BYTES"]
+__all__ = [
+    "AggregatorServer",
+    "ServerOptions",
+    "ServiceLimits",
+    "TlsFiles",
+    "SERVICE_NAME",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+]
 
 log = logging.getLogger(__name__)
 
 # After the rounds are settled, time for their answers to leave before the port closes.
 _ANSWER_GRACE_S = 2.0
+# Handler threads never given to waiting PushPulls, so Join, Leave and pushes that
+# do not wait always find one, however many calls are parked.
+_RESERVED_WORKERS = 16
+# How often the sweeper closes rounds past their deadline that nobody waits for and expires idle jobs.
+_SWEEP_PERIOD_S = 0.25
+# Return freed heap to the OS once the budget's use has fallen by this much since the last time.
+_TRIM_AFTER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +78,8 @@ class ServerOptions:
         address: host:port to bind; port 0 picks a free port.
         max_message_bytes: largest request or response accepted, in bytes.
         max_workers: handler threads. A PushPull holds one while it waits for
-            its round, so this bounds the rounds x ranks waiting at once.
+            its round (until the round ends or its client gives up), so all
+            but a reserve of 16 bound the calls waiting at once.
         grace_s: on stop, rounds in flight get this long to finish.
         tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.
         tokens: require a bearer token on every call but health and reflection.
@@ -70,7 +89,7 @@ class ServerOptions:
 
     address: str = "0.0.0.0:50051"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_workers: int = 256
+    max_workers: int = 512
     grace_s: float = 10.0
     tls: TlsFiles | None = None
     tokens: TokenTable | None = None
@@ -80,20 +99,28 @@ class ServerOptions:
 class AggregatorServer:
     """One aggregator process: start(), wait(), stop(); `port` is the bound port."""
 
-    def __init__(self, policy: RoundPolicy, options: ServerOptions) -> None:
+    def __init__(self, policy: RoundPolicy, options: ServerOptions, limits: ServiceLimits | None = None) -> None:
         self.policy = policy
         self.options = options
+        self.limits = limits or ServiceLimits()
+        if options.max_workers <= _RESERVED_WORKERS:
+            raise ValueError(f"max_workers={options.max_workers} is invalid; expected > {_RESERVED_WORKERS}")
         self.metrics = RoundMetrics() if options.metrics_port is not None else None
         self.metrics_port: int | None = None
-        self.table = RoundTable(policy, package=package_result, observer=self.metrics)
+        self.table = RoundTable(policy, package=package_result, observer=self.metrics, limits=self.limits)
         self.health = health.HealthServicer()
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
-        limits = channel_options(options.max_message_bytes)
+        transport = channel_options(options.max_message_bytes)
         interceptors = [TokenAuthInterceptor(options.tokens)] if options.tokens else []
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors, options=limits
+            futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors, options=transport
         )
-        self.servicer = AggregatorServicer(self.table)
+        waiting = WaitingCalls(
+            self.limits.max_waiting_per_job,
+            self.limits.max_waiting_per_peer,
+            options.max_workers - _RESERVED_WORKERS,
+        )
+        self.servicer = AggregatorServicer(self.table, waiting)
         add_aggregator_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -108,10 +135,12 @@ class AggregatorServer:
             raise OSError(f"could not bind address={options.address!r}; is the port in use?")
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self._sweeper = threading.Thread(target=self._sweep, name="gradq-sweeper", daemon=True)
 
     def start(self) -> None:
         """Start serving and mark the aggregator healthy."""
         self._server.start()
+        self._sweeper.start()
         if self.metrics is not None and self.options.metrics_port is not None:
             host = self.options.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
             self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
@@ -127,6 +156,34 @@ class AggregatorServer:
             self.policy.world_size or "per job",
             self.policy.round_timeout_s,
         )
+        self._warn_about_exposure()
+
+    def _warn_about_exposure(self) -> None:
+        host = self.options.address.rsplit(":", 1)[0].strip("[]")
+        if self.options.tls is None and not _is_loopback(host):
+            log.warning(
+                "serving plaintext on %s, which is not a loopback address: gradients and tokens cross the "
+                "network unencrypted; pass --tls-cert and --tls-key (or bind --host 127.0.0.1)",
+                self.options.address,
+            )
+        unscoped = self.options.tokens.unscoped() if self.options.tokens else 0
+        if unscoped:
+            log.warning(
+                "%d token(s) in the token file are not scoped to a job: each may join, push to and leave any "
+                "job; write 'TOKEN job=JOB [rank=RANK]' lines to confine them",
+                unscoped,
+            )
+
+    def _sweep(self) -> None:
+        """Close rounds nobody waits for at their deadline, expire idle jobs, give freed memory back."""
+        peak = 0  # the most bytes in use since memory was last given back
+        while not self._stopped.wait(_SWEEP_PERIOD_S):
+            self.table.sweep()
+            in_use = self.table.budget.in_use
+            peak = max(peak, in_use)
+            if in_use < peak - _TRIM_AFTER_BYTES:
+                return_free_memory()
+                peak = in_use
 
     def stop(self) -> None:
         """Go NOT_SERVING, let rounds in flight finish within the grace period, then stop."""
@@ -165,3 +222,12 @@ class AggregatorServer:
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, handle)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

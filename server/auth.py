@@ -1,15 +1,15 @@
 """Bearer-token authentication: a server interceptor that refuses a call before any work is done.
 
-A token may be bound to a rank; the servicer then refuses requests in which
-that token claims another rank (``check_rank``). Health and reflection stay
-open so probes need no token.
+A token may be scoped to a job (or a job-id prefix) and to a rank; the
+servicer refuses requests in which a token acts outside its scope
+(``check_scope``). Health and reflection stay open so probes need no token.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hmac
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,61 +18,116 @@ import grpc
 
 from gradq.server.errors import PermissionDeniedError
 
-__all__ = ["TokenTable", "TokenAuthInterceptor", "check_rank", "OPEN_METHOD_PREFIXES"]
+__all__ = ["TokenScope", "TokenTable", "TokenAuthInterceptor", "check_scope", "OPEN_METHOD_PREFIXES"]
 
 # Methods anyone may call: health probes and grpcurl's service listing.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-# The rank the current call's token is bound to (None: any rank). Set for
-# every authenticated call, so a pooled handler thread never sees a stale one.
-_bound_rank: contextvars.ContextVar[int | None] = contextvars.ContextVar("gradq_bound_rank", default=None)
+_LINE_FORMS = "'TOKEN', 'TOKEN RANK' (any job), or 'TOKEN job=JOB [rank=RANK]' (JOB may end in '*', a prefix)"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScope:
+    """What one token may act as: a job (exact, or a prefix ending in ``*``; None: any) and a rank (None: any)."""
+
+    job: str | None = None
+    rank: int | None = None
+
+    def allows(self, job_id: str, rank: int) -> bool:
+        """True when a request for (``job_id``, ``rank``) lies inside this scope."""
+        if self.rank is not None and rank != self.rank:
+            return False
+        if self.job is None:
+            return True
+        if self.job.endswith("*"):
+            return job_id.startswith(self.job[:-1])
+        return job_id == self.job
+
+    def describe(self) -> str:
+        """``job 'x*', rank 1`` for messages."""
+        job = (
+            "any job"
+            if self.job is None
+            else f"job {self.job!r}"
+            if not self.job.endswith("*")
+            else (f"jobs starting with {self.job[:-1]!r}")
+        )
+        return job + ("" if self.rank is None else f", rank {self.rank}")
+
+
+# The scope of the current call's token (None: no token table). Set for every
+# authenticated call, so a pooled handler thread never sees a stale one.
+_scope: contextvars.ContextVar[TokenScope | None] = contextvars.ContextVar("gradq_token_scope", default=None)
+
+
+def _parse_line(path: Path, number: int, fields: list[str]) -> tuple[str, TokenScope]:
+    token, rest = fields[0], fields[1:]
+    where = f"{path}:{number}"
+    if len(token) < 16:
+        raise ValueError(f"{where}: token is {len(token)} characters; expected at least 16")
+    if len(rest) == 1 and rest[0].isdigit():
+        return token, TokenScope(rank=int(rest[0]))  # the original form: bound to a rank, any job
+    settings: dict[str, str] = {}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("job", "rank") or not value or key in settings:
+            raise ValueError(f"{where}: {item!r} is invalid; expected {_LINE_FORMS}")
+        settings[key] = value
+    if "rank" in settings and not settings["rank"].isdigit():
+        raise ValueError(f"{where}: rank={settings['rank']!r} is invalid; expected an integer >= 0")
+    if "rank" in settings and "job" not in settings:
+        raise ValueError(f"{where}: rank= without job=; expected {_LINE_FORMS}")
+    job = settings.get("job")
+    return token, TokenScope(None if job == "*" else job, int(settings["rank"]) if "rank" in settings else None)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenTable:
-    """Accepted tokens, each optionally bound to one rank."""
+    """Accepted tokens, each with its scope."""
 
-    tokens: Mapping[str, int | None]
+    tokens: Mapping[str, TokenScope]
 
     @classmethod
     def from_file(cls, path: Path) -> TokenTable:
-        """Read ``TOKEN`` or ``TOKEN RANK`` per line; blank lines and ``#`` comments are skipped.
+        """Read one token per line (see ``_LINE_FORMS``); blank lines and ``#`` comments are skipped.
 
         Raises:
             ValueError: naming the file, line and what was expected.
         """
-        tokens: dict[str, int | None] = {}
+        tokens: dict[str, TokenScope] = {}
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             fields = line.split("#", 1)[0].split()
-            if not fields:
-                continue
-            if len(fields) > 2 or (len(fields) == 2 and not fields[1].isdigit()):
-                raise ValueError(f"{path}:{number}: expected 'TOKEN' or 'TOKEN RANK' (RANK an integer >= 0)")
-            if len(fields[0]) < 16:
-                raise ValueError(f"{path}:{number}: token is {len(fields[0])} characters; expected at least 16")
-            tokens[fields[0]] = int(fields[1]) if len(fields) == 2 else None
+            if fields:
+                token, scope = _parse_line(path, number, fields)
+                tokens[token] = scope
         if not tokens:
-            raise ValueError(f"{path}: no tokens; expected at least one 'TOKEN [RANK]' line")
+            raise ValueError(f"{path}: no tokens; expected at least one line: {_LINE_FORMS}")
         return cls(tokens)
 
-    def lookup(self, presented: str) -> tuple[bool, int | None]:
-        """(accepted, bound rank). Compares against every token in constant time per token."""
-        accepted, bound = False, None
-        for token, rank in self.tokens.items():
+    def unscoped(self) -> int:
+        """How many tokens may act for any job (the server warns about them at start)."""
+        return sum(scope.job is None for scope in self.tokens.values())
+
+    def lookup(self, presented: str) -> TokenScope | None:
+        """The presented token's scope, or None if it is not accepted. Constant time per token."""
+        found = None
+        for token, scope in self.tokens.items():
             if hmac.compare_digest(token.encode(), presented.encode()):
-                accepted, bound = True, rank
-        return accepted, bound
+                found = scope
+        return found
 
 
-def check_rank(rank: int) -> None:
-    """Refuse a request whose rank differs from the one its token is bound to.
+def check_scope(job_id: str, rank: int) -> None:
+    """Refuse a request for a job or rank outside its token's scope.
 
     Raises:
-        PermissionDeniedError: the token belongs to another rank.
+        PermissionDeniedError: naming what the token is bound to and what the request says.
     """
-    bound = _bound_rank.get()
-    if bound is not None and bound != rank:
-        raise PermissionDeniedError(f"this token is bound to rank {bound}; the request says rank={rank}")
+    scope = _scope.get()
+    if scope is not None and not scope.allows(job_id, rank):
+        raise PermissionDeniedError(
+            f"this token is bound to {scope.describe()}; the request says job_id={job_id[:64]!r}, rank={rank}"
+        )
 
 
 def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
@@ -86,6 +141,49 @@ def _deny(_request: Any, context: grpc.ServicerContext) -> None:
     context.abort(
         grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token; expected metadata 'authorization: Bearer <token>'"
     )
+
+
+def _bound(behaviour: Callable[..., Any], scope: TokenScope) -> Callable[..., Any]:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        reset = _scope.set(scope)
+        try:
+            return behaviour(request, context)
+        finally:
+            _scope.reset(reset)
+
+    return call
+
+
+def _bound_stream(behaviour: Callable[..., Iterator[Any]], scope: TokenScope) -> Callable[..., Iterator[Any]]:
+    # A streaming response is produced after the handler returns, so the scope stays set while it is.
+    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        reset = _scope.set(scope)
+        try:
+            yield from behaviour(request, context)
+        finally:
+            _scope.reset(reset)
+
+    return call
+
+
+def bind_scope(handler: grpc.RpcMethodHandler, scope: TokenScope) -> grpc.RpcMethodHandler:
+    """``handler`` with ``scope`` bound around it, whatever its kind (unary or streaming, either side).
+
+    Args:
+        handler: the method's handler.
+        scope: the caller's token scope.
+
+    Returns:
+        A handler of the same kind.
+    """
+    codec = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_bound(handler.unary_unary, scope), **codec)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_bound(handler.stream_unary, scope), **codec)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_bound_stream(handler.unary_stream, scope), **codec)
+    return grpc.stream_stream_rpc_method_handler(_bound_stream(handler.stream_stream, scope), **codec)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -102,21 +200,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method  # type: ignore[attr-defined]
         if method.startswith(OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
-        accepted, rank = self.table.lookup(_bearer(handler_call_details.invocation_metadata))  # type: ignore[attr-defined]
-        if not accepted:
+        scope = self.table.lookup(_bearer(handler_call_details.invocation_metadata))  # type: ignore[attr-defined]
+        if scope is None:
             return grpc.unary_unary_rpc_method_handler(_deny)
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        behaviour = handler.unary_unary
-
-        def bound(request: Any, context: grpc.ServicerContext) -> Any:
-            reset = _bound_rank.set(rank)
-            try:
-                return behaviour(request, context)
-            finally:
-                _bound_rank.reset(reset)
-
-        return grpc.unary_unary_rpc_method_handler(
-            bound, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+        return None if handler is None else bind_scope(handler, scope)

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from gradq.qcore import Scheme
-from gradq.server.app import DEFAULT_MAX_MESSAGE_BYTES, AggregatorServer, ServerOptions, TlsFiles
+from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
 from gradq.server.auth import TokenTable
+from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 
 __all__ = ["main", "build_parser"]
@@ -37,64 +38,134 @@ def _return_scheme(text: str) -> Scheme | None:
         raise argparse.ArgumentTypeError(f"{error}, or 'same', 'fp16', 'fp32'") from None
 
 
+# Each default lives once, in the dataclass that owns it.
+_POLICY = RoundPolicy()
+_SERVER = ServerOptions()
+_LIMITS = ServiceLimits()
+_HOST, _PORT = _SERVER.address.rsplit(":", 1)
+
 # (flag, environment variable, type, default, help). Flags win over the environment.
 _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
-    ("--host", "GRADQ_HOST", str, "0.0.0.0", "address to bind"),
-    ("--port", "GRADQ_PORT", int, 50051, "port to bind; 0 picks a free one (see --port-file)"),
-    ("--world-size", "GRADQ_WORLD_SIZE", int, 0, "ranks per job; 0 lets each job's first Join decide"),
+    ("--host", "GRADQ_HOST", str, _HOST, "address to bind"),
+    ("--port", "GRADQ_PORT", int, int(_PORT), "port to bind; 0 picks a free one (see --port-file)"),
+    ("--world-size", "GRADQ_WORLD_SIZE", int, _POLICY.world_size, "ranks per job; 0 lets each job's first Join decide"),
     (
         "--round-timeout",
         "GRADQ_ROUND_TIMEOUT",
         float,
-        30.0,
+        _POLICY.round_timeout_s,
         "seconds from a round's first contribution until it fails for every waiter, naming the missing ranks",
     ),
     (
         "--partial-quorum",
         "GRADQ_PARTIAL_QUORUM",
         int,
-        0,
+        _POLICY.partial_quorum,
         "0: strict rounds. N: at its deadline a round with >= N ranks completes over them (response says partial)",
     ),
     (
         "--return-scheme",
         "GRADQ_RETURN_SCHEME",
         _return_scheme,
-        None,
+        _POLICY.return_scheme,
         "grid of the mean sent back: 'same' as the pushes, 'fp16', 'fp32', or a scheme such as per_channel_affine",
     ),
-    ("--return-bits", "GRADQ_RETURN_BITS", int, 8, "bits of a quantized --return-scheme"),
+    ("--return-bits", "GRADQ_RETURN_BITS", int, _POLICY.return_bits, "bits of a quantized --return-scheme"),
     (
         "--server-error-feedback",
         "GRADQ_SERVER_ERROR_FEEDBACK",
         _flag_bool,
-        False,
+        _POLICY.server_error_feedback,
         "carry the re-quantization error of each bucket's mean into its next round",
     ),
-    ("--retain-steps", "GRADQ_RETAIN_STEPS", int, 2, "finished steps kept so that retried pushes get their answer"),
+    (
+        "--retain-steps",
+        "GRADQ_RETAIN_STEPS",
+        int,
+        _POLICY.retain_steps,
+        "completed steps kept so that retried pushes get their answer; older steps are stale",
+    ),
+    (
+        "--max-steps-ahead",
+        "GRADQ_MAX_STEPS_AHEAD",
+        int,
+        _LIMITS.max_steps_ahead,
+        "a new round's step may be at most this far past the job's newest completed step (covers pipelining)",
+    ),
+    (
+        "--max-open-rounds",
+        "GRADQ_MAX_OPEN_ROUNDS",
+        int,
+        _LIMITS.max_open_rounds,
+        "rounds of one job in flight at once; past it, RESOURCE_EXHAUSTED",
+    ),
+    (
+        "--max-memory-bytes",
+        "GRADQ_MAX_MEMORY_BYTES",
+        int,
+        _LIMITS.max_memory_bytes,
+        "budget for open rounds' fp32 accumulators plus retained means (default: half the machine's memory); "
+        "a push past it gets RESOURCE_EXHAUSTED",
+    ),
+    (
+        "--max-jobs",
+        "GRADQ_MAX_JOBS",
+        int,
+        _LIMITS.max_jobs,
+        "jobs known at once; a Join for a new job past it is refused",
+    ),
+    ("--max-world-size", "GRADQ_MAX_WORLD_SIZE", int, _LIMITS.max_world_size, "largest world_size a Join may ask for"),
+    (
+        "--job-idle-timeout",
+        "GRADQ_JOB_IDLE_TIMEOUT",
+        float,
+        _LIMITS.job_idle_timeout_s,
+        "seconds without a Join, PushPull or Leave after which a job is forgotten (its rounds fail)",
+    ),
+    (
+        "--max-waiting-per-job",
+        "GRADQ_MAX_WAITING_PER_JOB",
+        int,
+        _LIMITS.max_waiting_per_job,
+        "PushPull calls of one job waiting for their rounds at once; past it, RESOURCE_EXHAUSTED",
+    ),
+    (
+        "--max-waiting-per-peer",
+        "GRADQ_MAX_WAITING_PER_PEER",
+        int,
+        _LIMITS.max_waiting_per_peer,
+        "PushPull calls from one client host waiting at once; past it, RESOURCE_EXHAUSTED",
+    ),
     (
         "--max-message-bytes",
         "GRADQ_MAX_MESSAGE_BYTES",
         int,
-        DEFAULT_MAX_MESSAGE_BYTES,
+        _SERVER.max_message_bytes,
         "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)",
     ),
-    ("--max-workers", "GRADQ_MAX_WORKERS", int, 256, "handler threads; each waiting PushPull holds one"),
+    (
+        "--max-workers",
+        "GRADQ_MAX_WORKERS",
+        int,
+        _SERVER.max_workers,
+        "handler threads; a waiting PushPull holds one until its round ends or its client gives up, and 16 "
+        "are kept for calls that do not wait",
+    ),
     (
         "--non-finite",
         "GRADQ_NON_FINITE",
         str,
-        "reject",
+        _POLICY.non_finite,
         "a rank reporting NaN/Inf gradients: 'reject' fails the round for all, 'skip' returns zeros marked skipped",
     ),
     (
         "--max-bucket-elements",
         "GRADQ_MAX_BUCKET_ELEMENTS",
         int,
-        1 << 28,
+        _POLICY.max_bucket_elements,
         "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
     ),
-    ("--grace", "GRADQ_GRACE", float, 10.0, "seconds rounds in flight get to finish after SIGTERM"),
+    ("--grace", "GRADQ_GRACE", float, _SERVER.grace_s, "seconds rounds in flight get to finish after SIGTERM"),
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--log-format", "GRADQ_LOG_FORMAT", str, "text", "'text' or 'json' (one JSON object per line, for log shippers)"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
@@ -113,7 +184,8 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "GRADQ_TOKEN_FILE",
         Path,
         None,
-        "require 'authorization: Bearer <token>'; one 'TOKEN [RANK]' per line, RANK binds a token to a rank",
+        "require 'authorization: Bearer <token>'; one token per line: 'TOKEN job=JOB [rank=RANK]' scopes it to "
+        "a job (JOB ending in '*': a job-id prefix) and a rank; 'TOKEN' or 'TOKEN RANK' leaves it any job",
     ),
 ]
 
@@ -200,7 +272,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokens=TokenTable.from_file(args.token_file) if args.token_file else None,
             metrics_port=args.metrics_port,
         )
-        server = AggregatorServer(policy, options)
+        limits = ServiceLimits(
+            max_steps_ahead=args.max_steps_ahead,
+            max_open_rounds=args.max_open_rounds,
+            max_jobs=args.max_jobs,
+            max_world_size=args.max_world_size,
+            job_idle_timeout_s=args.job_idle_timeout,
+            max_memory_bytes=args.max_memory_bytes,
+            max_waiting_per_job=args.max_waiting_per_job,
+            max_waiting_per_peer=args.max_waiting_per_peer,
+        )
+        server = AggregatorServer(policy, options, limits)
     except (ValueError, OSError) as error:
         parser.error(str(error))
     server.stop_on_signals()

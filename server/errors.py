@@ -12,6 +12,8 @@ __all__ = [
     "PermissionDeniedError",
     "RoundAbortedError",
     "UnavailableError",
+    "ResourceExhaustedError",
+    "CancelledError",
 ]
 
 
@@ -49,3 +51,15 @@ class PermissionDeniedError(RoundError):
     """The caller is authenticated but may not act as the rank it claims."""
 
     code = "PERMISSION_DENIED"
+
+
+class ResourceExhaustedError(RoundError):
+    """A limit of this aggregator (memory budget, waiting calls, jobs) is reached; retry later."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class CancelledError(RoundError):
+    """The client gave up (deadline passed or cancelled); nothing is waiting for the answer."""
+
+    code = "CANCELLED"

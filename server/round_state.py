@@ -41,9 +41,11 @@ class Round:
         "arrivals",
         "averaged",
         "bucket",
+        "charged",
         "contributors",
         "deadline",
         "decoded",
+        "digests",
         "done",
         "error",
         "lock",
@@ -54,6 +56,7 @@ class Round:
         "relative_error",
         "result",
         "step",
+        "wakers",
     )
 
     def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
@@ -75,6 +78,11 @@ class Round:
         self.received_bytes = 0
         self.relative_error: float | None = None
         self.contributors: set[int] = set()
+        # rank -> digest of what it pushed, so a resend with other content is refused, not answered.
+        self.digests: dict[int, int] = {}
+        # Events of the calls waiting for this round; set when it finishes (a waiter also sets its own on cancel).
+        self.wakers: set[threading.Event] = set()
+        self.charged = 0  # bytes this round holds against the memory budget
         self.result: RoundResult | None = None
         self.error: RoundError | None = None
 

@@ -3,7 +3,7 @@
 Plain Python (no grpc), so tests drive it directly. One fp32 accumulator per
 round in flight; contributions are dequantized into it on arrival, so memory is
 O(bucket), not O(world x bucket). Lock order: a round's lock may be taken
-before the table's, never the other way round.
+before the job table's, never the other way round; the budget's lock is a leaf.
 """
 
 from __future__ import annotations
@@ -12,47 +12,39 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-import numpy as np
-
-from gradq.qcore import ErrorFeedback, QuantizedArray, decode, encode
+from gradq.qcore import QuantizedArray, encode
+from gradq.server.budget import MemoryBudget
 from gradq.server.errors import (
+    CancelledError,
     FailedPreconditionError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     RoundAbortedError,
     RoundError,
     UnavailableError,
 )
+from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
+from gradq.server.limits import ServiceLimits
 from gradq.server.policy import PushedGrid, RoundPolicy, return_config_for
-from gradq.server.reports import RoundObserver, RoundReport
+from gradq.server.reports import RoundObserver
+from gradq.server.round_report import relative_error, round_report
 from gradq.server.round_state import Round, RoundResult
+from gradq.server.step_window import check_grid, check_step, contribution_digest
 
 __all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
 log = logging.getLogger(__name__)
-
-MAX_JOB_ID_LENGTH = 256
 
 
 @dataclass(frozen=True, slots=True)
 class RoundTicket:
     """A contribution accepted by ``push``; hand it to ``wait`` for the answer."""
 
-    job_id: str
-    job: _Job
+    job: Job
     round: Round
     rank: int
-
-
-@dataclass(slots=True)
-class _Job:
-    world_size: int
-    joined: set[int] = field(default_factory=set)
-    # (step, bucket) -> round, in flight or finished-and-retained for retries.
-    rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
-    newest_finished_step: int = -1
-    error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
 
 
 class RoundTable:
@@ -64,6 +56,7 @@ class RoundTable:
         package: turns a finished round's result into its wire answer, once
             per round (stored as ``RoundResult.packaged``).
         observer: told about every finished round (metrics).
+        limits: step window, caps and the memory budget.
     """
 
     def __init__(
@@ -72,14 +65,15 @@ class RoundTable:
         clock: Callable[[], float] = time.monotonic,
         package: Callable[[RoundResult], object] | None = None,
         observer: RoundObserver | None = None,
+        limits: ServiceLimits | None = None,
     ) -> None:
         self.policy = policy
+        self.limits = limits or ServiceLimits()
         self._clock = clock
         self._package = package
         self._observer = observer
-        self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
-        self._closing = False
+        self.jobs = JobTable(self.limits, policy.world_size)
+        self.budget = MemoryBudget(self.limits.max_memory_bytes)
         self.counters = {
             "rounds_completed": 0,
             "rounds_partial": 0,
@@ -90,89 +84,96 @@ class RoundTable:
 
     # -- membership -------------------------------------------------------------------------
 
-    def join(self, job_id: str, rank: int, world_size: int) -> tuple[int, list[int]]:
-        """Register ``rank`` with ``job_id``; idempotent, so a restarted worker may rejoin.
+    def join(self, job_id: str, rank: int, world_size: int, incarnation: str = "") -> tuple[int, int]:
+        """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Returns:
-            (the job's world size, the ranks joined so far).
+            (the job's world size, how many ranks have joined so far).
 
         Raises:
-            InvalidArgumentError: empty/oversized job id, world size < 1, rank out of range.
-            FailedPreconditionError: world size disagrees with the job's or the server's.
+            InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
+            UnavailableError: see ``JobTable.join``.
         """
-        _check_job_id(job_id)
-        if world_size < 1:
-            raise InvalidArgumentError(f"world_size={world_size} is invalid; expected >= 1")
-        if self.policy.world_size and world_size != self.policy.world_size:
-            raise FailedPreconditionError(
-                f"world_size={world_size} does not match this aggregator's --world-size={self.policy.world_size}"
-            )
-        if rank >= world_size:
-            raise InvalidArgumentError(
-                f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
-            )
-        with self._lock:
-            if self._closing:
-                raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
-            job = self._jobs.get(job_id)
-            if job is None:
-                job = self._jobs[job_id] = _Job(world_size)
-            elif job.world_size != world_size:
-                raise FailedPreconditionError(
-                    f"world_size={world_size} does not match job {job_id!r}, which has world_size={job.world_size}"
-                )
-            rejoined = rank in job.joined
-            job.joined.add(rank)
-            joined = sorted(job.joined)
-        log.info(
-            "%s rank %d of %d to job %r (%d joined)",
-            "rejoin" if rejoined else "join",
-            rank,
-            world_size,
-            job_id,
-            len(joined),
-        )
-        return world_size, joined
+        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock())
+        self._retire(retired)
+        with self.jobs.lock:
+            return job.world_size, len(job.joined)
 
-    def leave(self, job_id: str, rank: int) -> None:
-        """Deregister ``rank``; rounds still waiting for it close now instead of at their deadline."""
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or rank not in job.joined:
-                return
-            job.joined.discard(rank)
-            waiting = [r for r in job.rounds.values() if not r.done.is_set()]
-            if not job.joined:
-                del self._jobs[job_id]
-        log.info("leave rank %d from job %r", rank, job_id)
+    def leave(self, job_id: str, rank: int, incarnation: str = "") -> None:
+        """Deregister ``rank``; rounds still waiting for it close now instead of at their deadline.
+
+        Raises:
+            FailedPreconditionError: ``incarnation`` is not the job's current one.
+        """
+        job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
+        self._retire(retired)
+        if job is None or retired:
+            return
+        with self.jobs.lock:
+            waiting = list(job.open)
         for rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set() and rank not in rnd.contributors:
-                    self._close_early(job_id, job, rnd, f"rank {rank} left the job", "rank_left")
+                    self._close_early(job, rnd, f"rank {rank} left the job", "rank_left")
+
+    def _retire(self, retired: list[Retired]) -> None:
+        """Fail the rounds still waiting in forgotten runs and give back what they held."""
+        for gone in retired:
+            with self.jobs.lock:
+                rounds = list(gone.job.rounds.values())
+                gone.job.rounds.clear()
+            for rnd in rounds:
+                with rnd.lock:
+                    if not rnd.done.is_set():
+                        self._fail(
+                            gone.job,
+                            rnd,
+                            RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}"),
+                            "retired",
+                        )
+                    self.budget.adjust(rnd.charged, 0)
+                    rnd.charged = 0
 
     # -- the round --------------------------------------------------------------------------
 
     def contribute(
-        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+        self,
+        job_id: str,
+        step: int,
+        bucket: int,
+        rank: int,
+        tensor: QuantizedArray,
+        non_finite: bool = False,
+        incarnation: str = "",
     ) -> RoundResult:
         """``wait(push(...))``: add ``rank``'s bucket to the round and wait for the mean."""
-        return self.wait(self.push(job_id, step, bucket, rank, tensor, non_finite))
+        return self.wait(self.push(job_id, step, bucket, rank, tensor, non_finite, incarnation))
 
     def push(
-        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, non_finite: bool = False
+        self,
+        job_id: str,
+        step: int,
+        bucket: int,
+        rank: int,
+        tensor: QuantizedArray,
+        non_finite: bool = False,
+        incarnation: str = "",
     ) -> RoundTicket:
         """Add ``rank``'s bucket to round (job, step, bucket); returns at once.
 
         The tensor is dequantized into the round's accumulator before this
         returns, so the caller can drop it (and its message) before waiting.
-        A duplicate of an accepted contribution is not counted again.
-        ``non_finite`` says the rank's bucket held NaN/Inf (``tensor`` then only
-        carries its size): under the reject policy the round fails for every
-        rank, under the skip policy it completes with a zero mean marked skipped.
+        A resend of an accepted contribution is not counted again; one whose
+        content differs is refused. ``non_finite`` says the rank's bucket held
+        NaN/Inf (``tensor`` then only carries its size): under the reject policy
+        the round fails for every rank, under the skip policy it completes with
+        a zero mean marked skipped.
 
         Raises:
             InvalidArgumentError: numel disagrees with the round's.
-            FailedPreconditionError: unknown job or rank, or a stale step.
+            FailedPreconditionError: unknown job, rank or incarnation; a step
+                outside the window; another grid than the job's; a resend that differs.
+            ResourceExhaustedError: the memory budget or the job's open rounds are used up.
             UnavailableError: the aggregator is shutting down and the round is new.
         """
         if tensor.numel > self.policy.max_bucket_elements:
@@ -180,71 +181,130 @@ class RoundTable:
                 f"tensor.numel={tensor.numel} is too large; this aggregator accepts buckets of up to "
                 f"{self.policy.max_bucket_elements} elements (--max-bucket-elements)"
             )
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None:
-                raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first")
-            if rank not in job.joined:
-                raise FailedPreconditionError(
-                    f"rank={rank} has not joined job {job_id!r} (joined: {sorted(job.joined)}); call Join first"
-                )
+        digest = contribution_digest(tensor, non_finite)
+        with self.jobs.lock:
+            job = self.jobs.member(job_id, rank, incarnation, self._clock())
+            check_grid(job, tensor)
             rnd = job.rounds.get((step, bucket))
+            if rnd is not None and self._superseded_failure(rnd, rank):
+                del job.rounds[(step, bucket)]
+                rnd = None
             if rnd is None:
-                oldest = job.newest_finished_step - self.policy.retain_steps
-                if step < oldest:
-                    raise FailedPreconditionError(
-                        f"step={step} is stale: job {job_id!r} has finished rounds up to step "
-                        f"{job.newest_finished_step}; expected step >= {oldest}"
-                    )
-                if self._closing:
-                    raise UnavailableError("the aggregator is shutting down; no new rounds are started")
-                grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
-                rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
-                job.rounds[(step, bucket)] = rnd
+                rnd = self._open_round(job, step, bucket, tensor)
             elif tensor.numel != rnd.pushed.numel:
                 raise InvalidArgumentError(
                     f"tensor.numel={tensor.numel} does not match numel={rnd.pushed.numel} of "
                     f"{rnd.describe(job_id)}; every rank must send the same bucket size"
                 )
         with rnd.lock:
+            if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
+                raise FailedPreconditionError(
+                    f"{rnd.describe(job_id)} already counted a different bucket from rank={rank}; "
+                    f"a resend must carry the same content (retry with the original payload)"
+                )
             if not rnd.done.is_set() and rank not in rnd.contributors:
                 if not non_finite:
                     rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
-                    self._fail(job_id, job, rnd, error, "non_finite")
-                    return RoundTicket(job_id, job, rnd, rank)
+                    self._fail(job, rnd, error, "non_finite")
+                    return RoundTicket(job, rnd, rank)
                 else:
                     rnd.non_finite.add(rank)
                 rnd.contributors.add(rank)
+                rnd.digests[rank] = digest
                 rnd.arrivals[rank] = self._clock()
                 rnd.received_bytes += tensor.nbytes
                 if len(rnd.contributors) == job.world_size:
-                    self._finish(job_id, job, rnd)
-        return RoundTicket(job_id, job, rnd, rank)
+                    self._finish(job, rnd)
+        return RoundTicket(job, rnd, rank)
 
-    def wait(self, ticket: RoundTicket) -> RoundResult:
+    def _superseded_failure(self, rnd: Round, rank: int) -> bool:
+        """A round that failed for lack of ranks, old enough that a new push starts it afresh.
+
+        For one round timeout past its deadline it answers its failure to late
+        ranks, so the stragglers of that attempt learn of it at once; after
+        that it must not break a later push of the same (step, bucket), such as
+        a legitimate step that a stray far-ahead push had opened too early.
+        """
+        aborted = isinstance(rnd.error, RoundAbortedError) and rank not in rnd.contributors
+        return aborted and self._clock() >= rnd.deadline + self.policy.round_timeout_s
+
+    def _open_round(self, job: Job, step: int, bucket: int, tensor: QuantizedArray) -> Round:
+        """A new round, inside the step window and the budgets. Caller holds the job table's lock."""
+        check_step(job, step, self.policy.retain_steps, self.limits.max_steps_ahead)
+        if self.jobs.closing:
+            raise UnavailableError("the aggregator is shutting down; no new rounds are started")
+        if len(job.open) >= self.limits.max_open_rounds:
+            raise ResourceExhaustedError(
+                f"{job.describe()} has {len(job.open)} rounds open, its limit (--max-open-rounds="
+                f"{self.limits.max_open_rounds}); finish them before starting round (step={step}, bucket={bucket})"
+            )
+        accumulator = 4 * tensor.numel
+        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})")
+        grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
+        try:
+            rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
+        except MemoryError:
+            self.budget.adjust(accumulator, 0)
+            raise
+        rnd.charged = accumulator
+        job.rounds[(step, bucket)] = rnd
+        job.open.add(rnd)
+        if job.first_step < 0:
+            job.first_step = step
+        return rnd
+
+    def wait(
+        self, ticket: RoundTicket, gone: threading.Event | None = None, patience: float | None = None
+    ) -> RoundResult:
         """Block until the ticket's round finishes (at most until its deadline) and answer.
+
+        Args:
+            ticket: from ``push``.
+            gone: set when the caller stops waiting (its client cancelled or
+                its deadline passed); the wait ends at once. The contribution
+                stays counted, so a retry is answered from the round.
+            patience: most seconds to wait (the client's time remaining).
 
         Raises:
             FailedPreconditionError: a partial round closed without this rank.
             RoundAbortedError: the round's deadline passed with ranks missing.
             UnavailableError: the aggregator shut down before the round completed.
+            CancelledError: ``gone`` was set or ``patience`` ran out first.
         """
         rnd = ticket.round
-        if not rnd.done.wait(max(0.0, rnd.deadline - self._clock())):
-            with rnd.lock:
-                if not rnd.done.is_set():
-                    reason = f"deadline of {self.policy.round_timeout_s:g} s passed"
-                    self._close_early(ticket.job_id, ticket.job, rnd, reason, "deadline")
-        return _answer(ticket.job_id, rnd, ticket.rank)
+        wake = gone or threading.Event()
+        timeout = max(0.0, rnd.deadline - self._clock())
+        patient = patience is None or patience >= timeout
+        with rnd.lock:
+            waiting = not rnd.done.is_set()
+            if waiting:
+                rnd.wakers.add(wake)
+        if waiting:
+            try:
+                wake.wait(timeout if patient else max(0.0, patience or 0.0))
+            finally:
+                with rnd.lock:
+                    rnd.wakers.discard(wake)
+        if not rnd.done.is_set():
+            if (gone is not None and gone.is_set()) or not patient:
+                raise CancelledError(f"{rnd.describe(ticket.job.job_id)}: the client stopped waiting")
+            self.close_if_due(ticket.job, rnd)
+        return _answer(ticket.job.job_id, rnd, ticket.rank)
 
-    def _finish(self, job_id: str, job: _Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
+    def close_if_due(self, job: Job, rnd: Round) -> None:
+        """Close a round whose deadline has passed (by a waiter or the sweeper)."""
+        with rnd.lock:
+            if not rnd.done.is_set() and self._clock() >= rnd.deadline:
+                self._close_early(job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed", "deadline")
+
+    def _finish(self, job: Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
         mean = rnd.mean()
         if rnd.non_finite:
-            log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job_id), sorted(rnd.non_finite))
+            log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
         config = return_config_for(self.policy, rnd.pushed)
         try:
             if self.policy.server_error_feedback:
@@ -253,85 +313,109 @@ class RoundTable:
                 encoded = encode(mean, config, dtype=rnd.pushed.dtype)
         except ValueError:
             error = InvalidArgumentError(
-                f"{rnd.describe(job_id)}: the mean is not finite (contributions overflow float32)"
+                f"{rnd.describe(job.job_id)}: the mean is not finite (contributions overflow float32)"
             )
-            self._fail(job_id, job, rnd, error, "overflow")
+            self._fail(job, rnd, error, "overflow")
             return
         if self._observer is not None:
-            rnd.relative_error = _relative_error(mean, encoded)
+            rnd.relative_error = relative_error(mean, encoded)
         result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
         rnd.result = replace(result, packaged=self._package(result)) if self._package else result
-        log.debug("%s complete over %d ranks", rnd.describe(job_id), len(rnd.contributors))
+        log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
         outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
-        self._release(job_id, job, rnd, outcome, reason)
+        self._release(job, rnd, outcome, reason)
 
-    def _close_early(self, job_id: str, job: _Job, rnd: Round, reason: str, code: str) -> None:
+    def _close_early(self, job: Job, rnd: Round, reason: str, code: str) -> None:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
         quorum = self.policy.partial_quorum
         if quorum and len(rnd.contributors) >= quorum:
             log.warning(
                 "%s closed partial (%s): averaged ranks %s, missing ranks %s",
-                rnd.describe(job_id),
+                rnd.describe(job.job_id),
                 reason,
                 sorted(rnd.contributors),
                 list(missing),
             )
-            self._finish(job_id, job, rnd, missing, code)
+            self._finish(job, rnd, missing, code)
             return
         error = RoundAbortedError(
-            f"{rnd.describe(job_id)} failed: {reason} with ranks {list(missing)} missing "
+            f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing "
             f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
         )
-        self._fail(job_id, job, rnd, error, code)
+        self._fail(job, rnd, error, code)
 
-    def _fail(self, job_id: str, job: _Job, rnd: Round, error: RoundError, reason: str) -> None:
+    def _fail(self, job: Job, rnd: Round, error: RoundError, reason: str) -> None:
         rnd.error = error
         log.warning("%s", error)
-        self._release(job_id, job, rnd, "failed", reason)
+        self._release(job, rnd, "failed", reason)
 
-    def _release(self, job_id: str, job: _Job, rnd: Round, outcome: str, reason: str) -> None:
+    def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
         rnd.accumulator = None
+        retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
+        self.budget.adjust(rnd.charged, retained)
+        rnd.charged = retained
         rnd.done.set()
+        for wake in rnd.wakers:
+            wake.set()
         if self._observer is not None:
-            self._observer.round_finished(_report(job_id, rnd, outcome, reason))
-        with self._lock:
+            self._observer.round_finished(round_report(job.job_id, rnd, outcome, reason))
+        dropped: list[Round] = []
+        with self.jobs.lock:
             self.counters[f"rounds_{outcome}"] += 1
             self.counters["contributions"] += len(rnd.contributors)
-            job.newest_finished_step = max(job.newest_finished_step, rnd.step)
-            oldest = job.newest_finished_step - self.policy.retain_steps
+            job.open.discard(rnd)
+            if rnd.result is not None:
+                job.newest_completed_step = max(job.newest_completed_step, rnd.step)
+            oldest = job.newest_completed_step - self.policy.retain_steps
             for key in [k for k, r in job.rounds.items() if r.step < oldest and r.done.is_set()]:
-                del job.rounds[key]
+                dropped.append(job.rounds.pop(key))
+        for old in dropped:
+            if old is not rnd:
+                self.budget.adjust(old.charged, 0)  # its lock is not needed: a done round's charge is final
+                old.charged = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
+    def sweep(self) -> None:
+        """Close rounds past their deadline that no call waits for, and forget idle jobs (the sweeper calls this)."""
+        with self.jobs.lock:
+            due = [(job, rnd) for job in self.jobs.all() for rnd in job.open if self._clock() >= rnd.deadline]
+        for job, rnd in due:
+            self.close_if_due(job, rnd)
+        self._retire(self.jobs.expire(self._clock()))
+
     def close(self) -> None:
         """Refuse new jobs and rounds; rounds in flight may still complete."""
-        with self._lock:
-            self._closing = True
+        with self.jobs.lock:
+            self.jobs.closing = True
 
     def fail_in_flight(self, reason: str) -> int:
         """Fail every round still in flight with UNAVAILABLE (clients retry); returns how many."""
-        with self._lock:
-            waiting = [(job_id, job, r) for job_id, job in self._jobs.items() for r in job.rounds.values()]
+        with self.jobs.lock:
+            waiting = [(job, rnd) for job in self.jobs.all() for rnd in job.open]
         failed = 0
-        for job_id, job, rnd in waiting:
+        for job, rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set():
-                    self._fail(job_id, job, rnd, UnavailableError(f"{rnd.describe(job_id)}: {reason}"), "shutdown")
+                    self._fail(job, rnd, UnavailableError(f"{rnd.describe(job.job_id)}: {reason}"), "shutdown")
                     failed += 1
         return failed
 
     def in_flight(self) -> int:
         """Rounds started and not yet finished, over all jobs."""
-        with self._lock:
-            return sum(not r.done.is_set() for job in self._jobs.values() for r in job.rounds.values())
+        with self.jobs.lock:
+            return sum(len(job.open) for job in self.jobs.all())
 
-    def jobs(self) -> dict[str, list[int]]:
+    def active_jobs(self) -> dict[str, list[int]]:
         """Job id -> joined ranks, for logs and tests."""
-        with self._lock:
-            return {job_id: sorted(job.joined) for job_id, job in self._jobs.items()}
+        with self.jobs.lock:
+            return {job.job_id: sorted(job.joined) for job in self.jobs.all()}
+
+
+def _packaged_bytes(result: RoundResult) -> int:
+    return len(result.packaged) if isinstance(result.packaged, bytes) else 0
 
 
 def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
@@ -344,34 +428,3 @@ def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
             f"without rank {rank}; this contribution was not counted"
         )
     return rnd.result
-
-
-def _check_job_id(job_id: str) -> None:
-    if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
-        raise InvalidArgumentError(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")
-
-
-def _relative_error(mean: np.ndarray, encoded: QuantizedArray) -> float:
-    """||decode(encoded) - mean|| / ||mean||: what re-quantizing the mean cost (0 for a zero mean)."""
-    norm = float(np.linalg.norm(mean))
-    return float(np.linalg.norm(decode(encoded) - mean)) / norm if norm > 0 else 0.0
-
-
-def _report(job_id: str, rnd: Round, outcome: str, reason: str) -> RoundReport:
-    arrivals = sorted(rnd.arrivals.items(), key=lambda item: item[1])
-    # Counted as the client counts what it receives: the encoded mean's wire size.
-    sent = rnd.result.mean.nbytes * len(rnd.result.contributors) if rnd.result is not None else 0
-    return RoundReport(
-        job_id=job_id,
-        outcome=outcome,
-        reason=reason,
-        contributors=len(rnd.contributors),
-        numel=rnd.pushed.numel,
-        received_bytes=rnd.received_bytes,
-        sent_bytes=sent,
-        seconds=time.monotonic() - rnd.opened_at,
-        straggler_seconds=arrivals[-1][1] - arrivals[-2][1] if len(arrivals) > 1 else 0.0,
-        slowest_rank=arrivals[-1][0] if arrivals else -1,
-        relative_error=rnd.relative_error,
-        dtype=rnd.pushed.dtype,
-    )

@@ -6,8 +6,9 @@ The only server module that touches ``_pb2`` types (with the servicer's signatur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
@@ -15,7 +16,17 @@ from gradq.qcore import QuantizedArray
 from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
 
-__all__ = ["Contribution", "contribution_from_bytes", "contribution_from_proto", "result_to_bytes", "join_to_proto"]
+M = TypeVar("M", bound=Message)
+
+__all__ = [
+    "Contribution",
+    "contribution_from_bytes",
+    "contribution_from_proto",
+    "result_to_bytes",
+    "join_to_proto",
+    "join_from_bytes",
+    "leave_from_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +39,7 @@ class Contribution:
     rank: int
     tensor: QuantizedArray
     non_finite: bool = False
+    incarnation: str = ""
 
 
 def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | bytes | None = None) -> Contribution:
@@ -42,7 +54,9 @@ def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | b
         tensor = tensor_from_proto(request.tensor, payload=payload)
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from None
-    return Contribution(request.job_id, request.step, request.bucket, request.rank, tensor, request.non_finite)
+    return Contribution(
+        request.job_id, request.step, request.bucket, request.rank, tensor, request.non_finite, request.incarnation
+    )
 
 
 def contribution_from_bytes(data: bytes) -> Contribution:
@@ -69,6 +83,31 @@ def result_to_bytes(result: RoundResult) -> bytes:
     return serialize_with_tensor(response, "mean", result.mean)
 
 
-def join_to_proto(world_size: int, joined: list[int], server_id: str) -> pb.JoinResponse:
-    """The answer to a Join."""
-    return pb.JoinResponse(world_size=world_size, joined_ranks=joined, server_id=server_id)
+def join_to_proto(world_size: int, joined: int, server_id: str) -> pb.JoinResponse:
+    """The answer to a Join: its size does not grow with the world size."""
+    return pb.JoinResponse(world_size=world_size, joined=joined, server_id=server_id)
+
+
+def join_from_bytes(data: bytes) -> pb.JoinRequest:
+    """Parse a serialized JoinRequest.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a JoinRequest.
+    """
+    return _parse(data, pb.JoinRequest)
+
+
+def leave_from_bytes(data: bytes) -> pb.LeaveRequest:
+    """Parse a serialized LeaveRequest.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a LeaveRequest.
+    """
+    return _parse(data, pb.LeaveRequest)
+
+
+def _parse(data: bytes, message: type[M]) -> M:
+    try:
+        return message.FromString(data)
+    except DecodeError as error:
+        raise InvalidArgumentError(f"request is not a {message.DESCRIPTOR.full_name}: {error}") from None

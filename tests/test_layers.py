@@ -10,7 +10,11 @@ import pytest
 
 CASES = [
     ("gradq.qcore", ("grpc", "google.protobuf", "torch", "numba")),
+    ("gradq.proto", ("torch", "gradq.server", "gradq.client")),
+    ("gradq.proto.convert", ("torch", "gradq.server", "gradq.client")),
+    ("gradq.proto.v1.aggregator_pb2_grpc", ("torch", "gradq.server", "gradq.client")),
     ("gradq.server", ("torch", "gradq.client")),
+    ("gradq.server.process", ("torch", "gradq.client")),
     ("gradq.server.app", ("torch", "gradq.client")),
     ("gradq.client", ("torch", "gradq.server")),
     ("gradq.cli", ("torch", "grpc", "numpy")),

@@ -57,14 +57,14 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("world_size", "joined_ranks", "server_id")
+    __slots__ = ("world_size", "server_id", "joined")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     world_size: int
-    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
     server_id: str
-    def __init__(self, world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., server_id: _Optional[str] = ...) -> None: ...
+    joined: int
+    def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation")

@@ -12,10 +12,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
-from gradq.client.demo import free_port
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 CONFIG = QuantConfig(bits=2, channel_size=16)  # coarse: every residual is far from zero
 

@@ -18,11 +18,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
-from gradq.client.demo import free_port
 from gradq.client.worker import AggregationError
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 # The model's one bucket holds 8 * 4 + 4 = 36 elements.
 BUCKET_ELEMENTS = 36

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gradq.client.demo import free_port
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 pytest.importorskip("lightning")
 

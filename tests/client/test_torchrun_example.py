@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gradq.client.demo import spawn_aggregator
+from gradq.server.process import spawn_aggregator
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")

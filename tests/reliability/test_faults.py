@@ -16,8 +16,8 @@ import pytest
 from fault_workers import Outcomes, exact_mean, gradient, start_workers
 
 from gradq.client import WorkerClient
-from gradq.client.demo import free_port, spawn_aggregator
 from gradq.qcore import QuantConfig, Scheme
+from gradq.server.process import free_port, spawn_aggregator
 
 ROUND_TIMEOUT_S = 2.0
 

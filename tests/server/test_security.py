@@ -16,11 +16,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradq.client import AggregationError, ChannelSecurity, WorkerClient
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
-from gradq.server.auth import TokenTable
+from gradq.server.auth import TokenScope, TokenTable
 from gradq.server.policy import RoundPolicy
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
-TOKENS = {"rank-zero-token-0000": 0, "rank-one-token-11111": 1, "any-rank-token-22222": None}
+TOKENS = {
+    "rank-zero-token-0000": TokenScope(rank=0),
+    "rank-one-token-11111": TokenScope(rank=1),
+    "any-rank-token-22222": TokenScope(),
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def test_wrong_or_borrowed_credentials_contribute_nothing(serve: Serve) -> None:
     rank_zero = ChannelSecurity(token="rank-zero-token-0000")
     rank_one = ChannelSecurity(token="rank-one-token-11111")
     # Rank 0's token replayed as rank 1 is refused before anything is counted ...
-    with pytest.raises(AggregationError, match=r"PERMISSION_DENIED: this token is bound to rank 0; .*rank=1"):
+    with pytest.raises(AggregationError, match=r"PERMISSION_DENIED: this token is bound to any job, rank 0; .*rank=1"):
         WorkerClient(address, "job", 1, 2, EXACT, timeout_s=5, security=rank_zero).join()
     impostor = WorkerClient(address, "job", 1, 2, EXACT, timeout_s=5, security=ChannelSecurity(token="x" * 20))
     with pytest.raises(AggregationError, match="UNAUTHENTICATED"):
@@ -145,7 +149,10 @@ def test_token_file_format_errors_name_the_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokens:3: token is 5 characters; expected at least 16"):
         TokenTable.from_file(path)
     path.write_text("abcdefghijklmnop zero\n")
-    with pytest.raises(ValueError, match=r"tokens:1: expected 'TOKEN' or 'TOKEN RANK'"):
+    with pytest.raises(ValueError, match=r"tokens:1: 'zero' is invalid; expected 'TOKEN', 'TOKEN RANK'"):
         TokenTable.from_file(path)
     path.write_text("abcdefghijklmnop 3  # rank three\nqrstuvwxyzabcdef\n")
-    assert TokenTable.from_file(path).tokens == {"abcdefghijklmnop": 3, "qrstuvwxyzabcdef": None}
+    assert TokenTable.from_file(path).tokens == {
+        "abcdefghijklmnop": TokenScope(rank=3),
+        "qrstuvwxyzabcdef": TokenScope(),
+    }

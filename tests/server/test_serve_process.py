@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gradq.client.demo import spawn_aggregator
 from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.cli import build_parser
+from gradq.server.process import spawn_aggregator
 
 
 def start_serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:

@@ -18,6 +18,9 @@ from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.app import SERVICE_NAME, AggregatorServer
 from gradq.server.policy import RoundPolicy
+from gradq.server.rounds import RoundTable
+from gradq.server.servicer import AggregatorServicer, aggregator_handlers
+from gradq.server.waiting import WaitingCalls
 
 StartAggregator = Callable[..., AggregatorServer]
 
@@ -172,7 +175,7 @@ def test_join_errors(start_aggregator: StartAggregator, stub_for: Callable[[Aggr
             stub.Join(request, timeout=5)
         assert raised.value.code() == code and message in (raised.value.details() or "")
     response = stub.Join(pb.JoinRequest(job_id="j", rank=1, world_size=2), timeout=5)
-    assert response.world_size == 2 and list(response.joined_ranks) == [1] and response.server_id
+    assert response.world_size == 2 and response.joined == 1 and response.server_id
 
 
 def test_health_and_reflection_are_served(start_aggregator: StartAggregator) -> None:
@@ -232,3 +235,9 @@ def test_many_ranks_in_threads_get_identical_means(
 def test_decoded_push_matches_what_client_encoded() -> None:
     values = np.array([0, 255, 2, 100, -128, 127, -6, 0], np.float32)
     np.testing.assert_array_equal(decode(encode(values, INT8)), values)
+
+
+def test_every_rpc_of_the_proto_has_a_handler() -> None:
+    table = RoundTable(RoundPolicy())
+    handlers = aggregator_handlers(AggregatorServicer(table, WaitingCalls(1, 1, 1)))
+    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Aggregator"].methods_by_name)

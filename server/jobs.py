@@ -1,0 +1,225 @@
+"""Membership: which jobs exist, which run (incarnation) of each, which ranks have joined, and when they expire.
+
+A job is one run of a job id: a Join with another incarnation retires the
+current run and starts a fresh one (new members, new step window, new rounds),
+so nothing of one run is mixed into the next. Retired runs hand their rounds
+back to the caller, which fails those still waiting (the round logic owns that).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from gradq.qcore import ErrorFeedback
+from gradq.server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from gradq.server.limits import ServiceLimits
+from gradq.server.round_state import Round
+
+__all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_ID_LENGTH = 256
+# Earlier incarnations of a job remembered per job, so a straggler of a finished
+# run cannot retire the run that replaced it by joining again.
+_SUPERSEDED_KEPT = 8
+
+
+def describe_incarnation(incarnation: str) -> str:
+    """``incarnation='x'`` or ``no incarnation`` (the empty string), for messages."""
+    return f"incarnation={incarnation[:64]!r}" if incarnation else "no incarnation"
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One run of a job id: its members, its rounds and its step window."""
+
+    job_id: str
+    world_size: int
+    incarnation: str
+    last_active: float
+    joined: set[int] = field(default_factory=set)
+    # (step, bucket) -> round, in flight or finished-and-retained for retries.
+    rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
+    open: set[Round] = field(default_factory=set)  # rounds of ``rounds`` still in flight
+    # Only completed rounds move it: a failed round never makes later steps stale.
+    newest_completed_step: int = -1
+    # Anchors the step window until a round completes (a job may resume from a checkpoint at any step).
+    first_step: int = -1
+    # (scheme, bits, channel size) fixed by the job's first push; every push must match.
+    grid: tuple[object, ...] | None = None
+    error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+    superseded: tuple[str, ...] = ()
+    retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
+
+    def describe(self) -> str:
+        """``job 'x' (incarnation='y')`` for messages."""
+        return f"job {self.job_id!r} ({describe_incarnation(self.incarnation)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Retired:
+    """A run the table forgot, and why: the caller fails its rounds still waiting."""
+
+    job: Job
+    reason: str
+
+
+class JobTable:
+    """The jobs of one aggregator. ``lock`` also guards every job's ``rounds`` dict.
+
+    Args:
+        limits: caps on jobs and world size, and the idle timeout.
+        fixed_world_size: the operator's --world-size (0: each job's first Join decides).
+    """
+
+    def __init__(self, limits: ServiceLimits, fixed_world_size: int = 0) -> None:
+        self.limits = limits
+        self.fixed_world_size = fixed_world_size
+        self.lock = threading.Lock()
+        self.closing = False
+        self._jobs: dict[str, Job] = {}
+
+    def join(self, job_id: str, rank: int, world_size: int, incarnation: str, now: float) -> tuple[Job, list[Retired]]:
+        """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
+
+        Returns:
+            (the job, the runs retired by this Join: a superseded incarnation).
+
+        Raises:
+            InvalidArgumentError: bad job id, world size or rank.
+            FailedPreconditionError: world size disagrees, or the incarnation was superseded.
+            ResourceExhaustedError: --max-jobs jobs exist already.
+            UnavailableError: the aggregator is shutting down.
+        """
+        _check_job_id(job_id)
+        self._check_world(world_size, rank)
+        retired: list[Retired] = []
+        with self.lock:
+            if self.closing:
+                raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
+            job = self._jobs.get(job_id)
+            if job is not None and job.incarnation != incarnation:
+                if incarnation in job.superseded:
+                    raise FailedPreconditionError(
+                        f"{describe_incarnation(incarnation)} of job {job_id!r} was superseded by "
+                        f"{describe_incarnation(job.incarnation)}; a finished run cannot rejoin"
+                    )
+                reason = f"superseded: {job.describe()} was restarted as {describe_incarnation(incarnation)}"
+                retired.append(self._forget(job, reason))
+                superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
+                job = self._jobs[job_id] = Job(job_id, world_size, incarnation, now, superseded=superseded)
+            elif job is None:
+                if len(self._jobs) >= self.limits.max_jobs:
+                    raise ResourceExhaustedError(
+                        f"job {job_id!r} cannot start: this aggregator holds {len(self._jobs)} jobs, its limit "
+                        f"(--max-jobs={self.limits.max_jobs}); idle jobs expire after --job-idle-timeout"
+                    )
+                job = self._jobs[job_id] = Job(job_id, world_size, incarnation, now)
+            elif job.world_size != world_size:
+                raise FailedPreconditionError(
+                    f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
+                )
+            rejoined = rank in job.joined
+            job.joined.add(rank)
+            job.last_active = now
+            joined = len(job.joined)
+        log.info(
+            "%s rank %d of %d to %s (%d joined)",
+            "rejoin" if rejoined else "join",
+            rank,
+            world_size,
+            job.describe(),
+            joined,
+        )
+        return job, retired
+
+    def member(self, job_id: str, rank: int, incarnation: str, now: float) -> Job:
+        """The current run of ``job_id``, which ``rank`` has joined under ``incarnation``. Caller holds ``lock``.
+
+        Raises:
+            FailedPreconditionError: unknown job, another incarnation, or a rank that has not joined.
+        """
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first")
+        if job.incarnation != incarnation:
+            raise FailedPreconditionError(
+                f"{describe_incarnation(incarnation)} does not match the current run of job {job_id!r}, "
+                f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)"
+            )
+        if rank not in job.joined:
+            raise FailedPreconditionError(
+                f"rank={rank} has not joined {job.describe()} ({len(job.joined)} of {job.world_size} ranks "
+                f"joined); call Join first"
+            )
+        job.last_active = now
+        return job
+
+    def leave(self, job_id: str, rank: int, incarnation: str, now: float) -> tuple[Job | None, list[Retired]]:
+        """Deregister ``rank``; the run is forgotten (retired) when its last rank leaves.
+
+        Returns:
+            (the job, or None when the rank was not a member; the runs retired).
+
+        Raises:
+            FailedPreconditionError: the incarnation is not the job's current one.
+        """
+        with self.lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None, []
+            if job.incarnation != incarnation:
+                self.member(job_id, rank, incarnation, now)  # raises, naming both incarnations
+            if rank not in job.joined:
+                return None, []
+            job.joined.discard(rank)
+            job.last_active = now
+            retired = [] if job.joined else [self._forget(job, f"every rank left {job.describe()}")]
+        log.info("leave rank %d from %s", rank, job.describe())
+        return job, retired
+
+    def expire(self, now: float) -> list[Retired]:
+        """Forget jobs idle for --job-idle-timeout; returns them so their rounds can be failed."""
+        timeout = self.limits.job_idle_timeout_s
+        with self.lock:
+            idle = [job for job in self._jobs.values() if now - job.last_active > timeout]
+            retired = [self._forget(job, f"{job.describe()} was idle for more than {timeout:g} s") for job in idle]
+        for gone in retired:
+            log.info("expired %s", gone.reason)
+        return retired
+
+    def all(self) -> list[Job]:
+        """Every current job. Caller holds ``lock``."""
+        return list(self._jobs.values())
+
+    def _forget(self, job: Job, reason: str) -> Retired:
+        job.retired = True
+        del self._jobs[job.job_id]
+        return Retired(job, reason)
+
+    def _check_world(self, world_size: int, rank: int) -> None:
+        if world_size < 1 or world_size > self.limits.max_world_size:
+            raise InvalidArgumentError(
+                f"world_size={world_size} is invalid; expected 1..{self.limits.max_world_size} (--max-world-size)"
+            )
+        if self.fixed_world_size and world_size != self.fixed_world_size:
+            raise FailedPreconditionError(
+                f"world_size={world_size} does not match this aggregator's --world-size={self.fixed_world_size}"
+            )
+        if rank >= world_size:
+            raise InvalidArgumentError(
+                f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
+            )
+
+
+def _check_job_id(job_id: str) -> None:
+    if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
+        raise InvalidArgumentError(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")

@@ -1,0 +1,70 @@
+"""What one client may take of a shared aggregator: steps ahead, rounds, jobs, ranks, memory, waiting calls."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ServiceLimits", "default_memory_budget"]
+
+
+def default_memory_budget() -> int:
+    """Half the machine's physical memory, in bytes (1 GiB where the OS does not say).
+
+    Half, because the process also holds gRPC's buffers, the messages being
+    parsed and Python itself beside the budgeted accumulators and means.
+
+    Returns:
+        The budget in bytes.
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLimits:
+    """Bounds that keep one job (or one hostile client) from breaking the others.
+
+    Args:
+        max_steps_ahead: a new round's step may be at most this far past the
+            job's newest completed step (or, before any completes, its first
+            round's step). Covers pipelining; a stray far-future step is refused.
+        max_open_rounds: rounds of one job in flight at once.
+        max_jobs: jobs known at once; a Join for a new job past it is refused.
+        max_world_size: largest ``world_size`` a Join may ask for.
+        job_idle_timeout_s: a job with no Join, PushPull or Leave this long is
+            forgotten (its rounds fail), so abandoned jobs do not pile up.
+        max_memory_bytes: accumulators of open rounds plus retained means; a push
+            that would open a round past it is refused.
+        max_waiting_per_job: PushPull calls of one job waiting for rounds at once.
+        max_waiting_per_peer: PushPull calls from one client host waiting at once.
+    """
+
+    max_steps_ahead: int = 4
+    max_open_rounds: int = 256
+    max_jobs: int = 1024
+    max_world_size: int = 1024
+    job_idle_timeout_s: float = 600.0
+    max_memory_bytes: int = -1  # -1: default_memory_budget(), resolved in __post_init__
+    max_waiting_per_job: int = 1024
+    max_waiting_per_peer: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_memory_bytes == -1:
+            object.__setattr__(self, "max_memory_bytes", default_memory_budget())
+        for name in (
+            "max_open_rounds",
+            "max_jobs",
+            "max_world_size",
+            "max_memory_bytes",
+            "max_waiting_per_job",
+            "max_waiting_per_peer",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; expected >= 1")
+        if self.max_steps_ahead < 0:
+            raise ValueError(f"max_steps_ahead={self.max_steps_ahead} is invalid; expected >= 0")
+        if not self.job_idle_timeout_s > 0:
+            raise ValueError(f"job_idle_timeout_s={self.job_idle_timeout_s} is invalid; expected > 0 seconds")

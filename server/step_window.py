@@ -1,0 +1,92 @@
+"""Which pushes a job accepts: steps inside its window, its one grid, and resends that match what was counted.
+
+The step window of a job (one incarnation) is
+``[newest completed - retain_steps, anchor + max_steps_ahead]``, where the
+anchor is the newest completed step, or before any round completes the step
+of the job's first round (so a job may resume from a checkpoint at any step).
+Only completed rounds move it: a failed or aborted round never makes a later
+step stale. A round already retained for (step, bucket) answers whatever its step.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from gradq.qcore import QuantizedArray
+from gradq.server.errors import FailedPreconditionError
+from gradq.server.jobs import Job
+
+__all__ = ["check_step", "check_grid", "contribution_digest", "describe_grid"]
+
+# Bytes of payload hashed per contribution at most: the digest must cost little
+# beside decoding (crc32 runs at ~1.4 GB/s here, decode-accumulate at ~5).
+_DIGEST_SAMPLE_BYTES = 1 << 18
+
+
+def check_step(job: Job, step: int, retain_steps: int, max_steps_ahead: int) -> None:
+    """Refuse a new round's step outside the job's window; the job is unchanged either way.
+
+    Raises:
+        FailedPreconditionError: naming the step and both bounds.
+    """
+    completed = job.newest_completed_step
+    anchor = completed if completed >= 0 else job.first_step
+    if anchor < 0:
+        return  # the job's first round: any step may start it
+    oldest = max(0, completed - retain_steps) if completed >= 0 else 0
+    newest = anchor + max_steps_ahead
+    if step < oldest:
+        raise FailedPreconditionError(
+            f"step={step} is stale: {job.describe()} has completed rounds up to step {completed}; "
+            f"expected step in [{oldest}, {newest}] (a new incarnation starts the job fresh)"
+        )
+    if step > newest:
+        raise FailedPreconditionError(
+            f"step={step} is too far ahead: {job.describe()} is at step {anchor}; expected step in "
+            f"[{oldest}, {newest}] (--max-steps-ahead={max_steps_ahead})"
+        )
+
+
+def describe_grid(grid: tuple[object, ...]) -> str:
+    """``scheme=..., bits=..., channel_size=...`` for messages."""
+    scheme, bits, channel_size = grid
+    return f"scheme={scheme}, bits={bits}" + (f", channel_size={channel_size}" if channel_size else "")
+
+
+def check_grid(job: Job, tensor: QuantizedArray) -> None:
+    """Fix the job's grid on its first push; refuse a push on another. Caller holds the job table's lock.
+
+    Per-tensor schemes have no channel size of their own (it is the bucket's
+    numel), so only per-channel schemes compare it.
+
+    Raises:
+        FailedPreconditionError: naming both grids.
+    """
+    grid = (tensor.scheme.name, tensor.bits, tensor.channel_size if tensor.scheme.is_per_channel else 0)
+    if job.grid is None:
+        job.grid = grid
+    elif grid != job.grid:
+        raise FailedPreconditionError(
+            f"tensor grid ({describe_grid(grid)}) does not match the grid of {job.describe()} "
+            f"({describe_grid(job.grid)}), fixed by its first push; every rank must quantize alike"
+        )
+
+
+def contribution_digest(tensor: QuantizedArray, non_finite: bool) -> int:
+    """A digest of what a rank pushed, to tell a true resend from a different bucket.
+
+    Covers the whole grid (scale and zero point per channel) and up to
+    256 KiB of the payload, evenly strided: a full hash would cost more than
+    decoding. Any change of a channel's range changes its scale, so a
+    different gradient slips through only if it keeps every channel's range
+    and differs only in unsampled bytes.
+
+    Returns:
+        A 32-bit digest.
+    """
+    payload = tensor.payload.reshape(-1)
+    stride = max(1, payload.nbytes // _DIGEST_SAMPLE_BYTES)
+    digest = zlib.crc32(tensor.scale.tobytes())
+    digest = zlib.crc32(tensor.zero_point.tobytes(), digest)
+    digest = zlib.crc32(payload[::stride].tobytes(), digest)
+    return zlib.crc32(bytes([non_finite]), digest)

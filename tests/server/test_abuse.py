@@ -1,0 +1,307 @@
+"""The eight findings of issue 14, each tried against a real aggregator on loopback while a legitimate job runs.
+
+Every test proves the legitimate job's means stay exact (integer-valued
+gradients) while the attack runs, and that the attacker gets a status that
+names what it hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from abuse_helpers import (
+    NUMEL,
+    LegitJob,
+    bearer,
+    gradient,
+    push_request,
+    rss_bytes,
+    run_legit_job,
+    stub,
+)
+
+from gradq.client import ChannelSecurity
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantConfig, Scheme
+from gradq.server.app import AggregatorServer, ServerOptions, ServiceLimits
+from gradq.server.auth import TokenScope, TokenTable
+from gradq.server.policy import RoundPolicy
+from gradq.server.process import spawn_aggregator
+
+
+def serve(policy: RoundPolicy, limits: ServiceLimits | None = None, **options: object) -> AggregatorServer:
+    server = AggregatorServer(policy, ServerOptions("127.0.0.1:0", grace_s=0.5, **options), limits)  # type: ignore[arg-type]
+    server.start()
+    return server
+
+
+def settle(calls: list[grpc.Future]) -> None:
+    """Wait until every call has its outcome."""
+    for call in calls:
+        call.exception(timeout=20)
+
+
+def code_and_details(call: grpc.Future | grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    error = call if isinstance(call, grpc.RpcError) else call.exception()
+    assert isinstance(error, grpc.RpcError), f"expected a failed call, got {error!r}"
+    return error.code(), error.details() or ""
+
+
+def test_1_a_stray_far_ahead_step_never_locks_the_job() -> None:
+    server = serve(RoundPolicy(round_timeout_s=0.3), ServiceLimits(max_steps_ahead=4))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        legit = LegitJob(address, "fut", 2)
+        legit.run(range(0, 5))
+        channel, attacker = stub(address)  # rank 1's credentials, in a buggy or hostile process
+        with pytest.raises(grpc.RpcError) as far:
+            attacker.PushPull(push_request("fut", 1, 1004, gradient(1, 1004)), timeout=5)
+        code, details = code_and_details(far.value)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "expected step in [2, 8]" in details
+        # In the window but never completed: it fails at its deadline and moves nothing.
+        with pytest.raises(grpc.RpcError) as aborted:
+            attacker.PushPull(push_request("fut", 1, 7, gradient(1, 7)), timeout=5)
+        assert code_and_details(aborted.value)[0] == grpc.StatusCode.ABORTED
+        time.sleep(0.35)  # past the failed round's answer period
+        legit.run(range(5, 12))
+        legit.close()
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_2_a_token_scoped_to_one_job_cannot_join_push_or_leave_another() -> None:
+    tokens = {
+        "victim-rank-0-token": TokenScope("victim", 0),
+        "victim-rank-1-token": TokenScope("victim", 1),
+        "attacker-job-token!": TokenScope("attack*", 1),
+    }
+    server = serve(RoundPolicy(round_timeout_s=5.0), tokens=TokenTable(tokens))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        channel, attacker = stub(address)
+        metadata = bearer("attacker-job-token!")
+        attempts = [
+            lambda: attacker.Join(pb.JoinRequest(job_id="victim", rank=1, world_size=2), timeout=5, metadata=metadata),
+            lambda: attacker.PushPull(
+                push_request("victim", 1, 0, np.full(NUMEL, 1e6, np.float32)), timeout=5, metadata=metadata
+            ),
+            lambda: attacker.Leave(pb.LeaveRequest(job_id="victim", rank=1), timeout=5, metadata=metadata),
+        ]
+        for attempt in attempts:
+            with pytest.raises(grpc.RpcError) as denied:
+                attempt()
+            code, details = code_and_details(denied.value)
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert "bound to jobs starting with 'attack', rank 1" in details and "job_id='victim'" in details
+        attacker.Join(pb.JoinRequest(job_id="attack-1", rank=1, world_size=2), timeout=5, metadata=metadata)
+        victims = [ChannelSecurity(token="victim-rank-0-token"), ChannelSecurity(token="victim-rank-1-token")]
+        run_legit_job(address, "victim", 2, range(3), securities=victims)
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_3_abandoned_calls_free_their_threads_and_cannot_starve_another_job() -> None:
+    limits = ServiceLimits(max_waiting_per_job=24, max_waiting_per_peer=200)
+    server = serve(RoundPolicy(round_timeout_s=15.0), limits, max_workers=64)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        channel, attacker = stub(address)
+        attacker.Join(pb.JoinRequest(job_id="park", rank=0, world_size=2), timeout=5)
+        parked = [
+            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=1.0)
+            for b in range(200)
+        ]
+        time.sleep(0.3)
+        refused = [code_and_details(call) for call in parked if call.done()]
+        assert refused and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refused)
+        assert "--max-waiting-per-job=24" in refused[0][1]
+        started = time.monotonic()
+        run_legit_job(address, "legit", 4, range(20))  # while up to 24 calls are parked
+        assert time.monotonic() - started < 10.0
+        settle(parked)
+        deadline = time.monotonic() + 2.0
+        while server.servicer.waiting.count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.servicer.waiting.count == 0  # every parked call let go of its thread at its deadline
+        # Its contribution stays counted: the retry is answered once rank 1 comes.
+        retry = attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=0), timeout=5)
+        attacker.Join(pb.JoinRequest(job_id="park", rank=1, world_size=2), timeout=5)
+        attacker.PushPull(push_request("park", 1, 0, gradient(1, 0), bucket=0), timeout=5)
+        assert retry.result().contributors == 2
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_3b_a_peer_past_its_waiting_cap_is_refused() -> None:
+    server = serve(RoundPolicy(round_timeout_s=15.0), ServiceLimits(max_waiting_per_peer=8))
+    try:
+        channel, attacker = stub(f"127.0.0.1:{server.port}")
+        attacker.Join(pb.JoinRequest(job_id="park", rank=0, world_size=2), timeout=5)
+        parked = [
+            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=1.0)
+            for b in range(12)
+        ]
+        settle(parked)
+        codes = [code_and_details(call) for call in parked]
+        refused = [details for code, details in codes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(refused) == 4 and "--max-waiting-per-peer=8" in refused[0]
+        assert sum(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _ in codes) == 8
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back() -> None:
+    budget = 56 << 20
+    process, port = spawn_aggregator(
+        "--max-memory-bytes", str(budget), "--round-timeout", "2", "--log-level", "WARNING", stderr=subprocess.DEVNULL
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        run_legit_job(address, "legit", 2, range(2))
+        channel, attacker = stub(address)
+        one_bit = QuantConfig(scheme=Scheme.PER_TENSOR_AFFINE, bits=1)
+        big = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)  # a 16 MiB accumulator each
+        # One complete round on the same grid first: the kernels' JIT compilation is not what is measured.
+        attacker.Join(pb.JoinRequest(job_id="warm", rank=0, world_size=1), timeout=5)
+        attacker.PushPull(push_request("warm", 0, 0, big, one_bit), timeout=30)
+        time.sleep(0.5)
+        baseline = rss_bytes(process.pid)
+        attacker.Join(pb.JoinRequest(job_id="hog", rank=0, world_size=2), timeout=5)
+        hogs = [
+            attacker.PushPull.future(push_request("hog", 0, 0, big, one_bit, bucket=b), timeout=5) for b in range(4)
+        ]
+        time.sleep(0.5)
+        refused = [code_and_details(call) for call in hogs if call.done()]
+        assert len(refused) == 1 and refused[0][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"the memory budget is 56.0 MiB ({budget} bytes)" in refused[0][1] and "needs 16.0 MiB" in refused[0][1]
+        run_legit_job(address, "legit", 2, range(2, 6))  # small rounds still fit under the budget
+        settle(hogs)
+        time.sleep(1.0)  # the sweeper gives the freed accumulators back
+        after = rss_bytes(process.pid)
+        assert after < baseline + (24 << 20), f"RSS {after >> 20} MiB after the rounds, {baseline >> 20} MiB before"
+        channel.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_5_membership_is_bounded_and_join_responses_do_not_grow() -> None:
+    limits = ServiceLimits(max_jobs=20, max_world_size=64, job_idle_timeout_s=1.0)
+    server = serve(RoundPolicy(round_timeout_s=5.0), limits)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        channel, attacker = stub(address)
+        small = attacker.Join(pb.JoinRequest(job_id="wide", rank=0, world_size=64), timeout=5)
+        for rank in range(1, 64):
+            wide = attacker.Join(pb.JoinRequest(job_id="wide", rank=rank, world_size=64), timeout=5)
+        assert wide.joined == 64 and wide.ByteSize() == small.ByteSize()
+        with pytest.raises(grpc.RpcError) as huge:
+            attacker.Join(pb.JoinRequest(job_id="huge", rank=0, world_size=50_000), timeout=5)
+        code, details = code_and_details(huge.value)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected 1..64 (--max-world-size)" in details
+        for number in range(19):
+            attacker.Join(pb.JoinRequest(job_id=f"storm-{number}", rank=0, world_size=2), timeout=5)
+        with pytest.raises(grpc.RpcError) as full:
+            attacker.Join(pb.JoinRequest(job_id="storm-last", rank=0, world_size=2), timeout=5)
+        code, details = code_and_details(full.value)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-jobs=20" in details
+        time.sleep(1.6)  # idle jobs expire
+        assert server.table.active_jobs() == {}
+        run_legit_job(address, "legit", 2, range(3))
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_6_malformed_join_and_leave_bytes_get_invalid_argument_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = serve(RoundPolicy(round_timeout_s=5.0))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        channel = grpc.insecure_channel(address)
+        rng = np.random.default_rng(6)
+        with caplog.at_level(logging.WARNING):
+            for method in ("Join", "Leave"):
+                call = channel.unary_unary(f"/gradq.v1.Aggregator/{method}")
+                for _ in range(50):
+                    garbage = b"\x0a\xff\xff\xff\xff\x0f" + rng.bytes(int(rng.integers(1, 64)))
+                    with pytest.raises(grpc.RpcError) as bad:
+                        call(garbage, timeout=5)
+                    code, details = code_and_details(bad.value)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT
+                    assert f"request is not a gradq.v1.{method}Request" in details
+        assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+        run_legit_job(address, "legit", 2, range(3))
+        channel.close()
+    finally:
+        server.stop()
+
+
+def test_7_sigterm_exits_within_grace_plus_two_seconds_whatever_waits(tmp_path: Path) -> None:
+    process, port = spawn_aggregator(
+        "--round-timeout", "20", "--grace", "1", "--log-level", "WARNING", stderr=subprocess.DEVNULL
+    )
+    address = f"127.0.0.1:{port}"
+    channel, client = stub(address)
+    try:
+        run_legit_job(address, "legit", 2, range(2))
+        # The only joined rank leaves while its push waits: the orphaned round fails at once.
+        client.Join(pb.JoinRequest(job_id="orphan", rank=0, world_size=2), timeout=5)
+        orphan = client.PushPull.future(push_request("orphan", 0, 0, gradient(0, 0)), timeout=30)
+        time.sleep(0.2)
+        client.Leave(pb.LeaveRequest(job_id="orphan", rank=0), timeout=5)
+        assert code_and_details(orphan.exception(timeout=5))[0] == grpc.StatusCode.ABORTED
+        # And a push still waiting when SIGTERM comes.
+        client.Join(pb.JoinRequest(job_id="waiting", rank=0, world_size=2), timeout=5)
+        waiting = client.PushPull.future(push_request("waiting", 0, 0, gradient(0, 0)), timeout=30)
+        time.sleep(0.2)
+        started = time.monotonic()
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 1 + 2
+        assert code_and_details(waiting.exception(timeout=5))[0] == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_8_one_grid_per_job_and_a_resend_that_differs_is_refused() -> None:
+    server = serve(RoundPolicy(round_timeout_s=5.0))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        channel, attacker = stub(address)
+        for rank in (0, 1):
+            attacker.Join(pb.JoinRequest(job_id="grid", rank=rank, world_size=2), timeout=5)
+        eight_bit = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8, channel_size=16)
+        first = attacker.PushPull.future(push_request("grid", 0, 0, gradient(0, 0), eight_bit), timeout=5)
+        one_bit = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=1, channel_size=16)
+        with pytest.raises(grpc.RpcError) as other_grid:
+            attacker.PushPull(push_request("grid", 1, 0, gradient(1, 0), one_bit), timeout=5)
+        code, details = code_and_details(other_grid.value)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "bits=1, channel_size=16" in details and "bits=8, channel_size=16" in details
+        with pytest.raises(grpc.RpcError) as changed:
+            attacker.PushPull(push_request("grid", 0, 0, gradient(0, 0) + 1, eight_bit), timeout=5)
+        code, details = code_and_details(changed.value)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "already counted a different bucket" in details
+        attacker.PushPull(push_request("grid", 1, 0, gradient(1, 0), eight_bit), timeout=5)
+        assert first.result().contributors == 2
+        run_legit_job(address, "legit", 3, range(3))
+        channel.close()
+    finally:
+        server.stop()
