@@ -7,7 +7,10 @@
 The only gradq lines are the two that build and register the hook state. The
 script never calls ``close()``: the state leaves its job when the process
 exits. Rerunning it with the same GRADQ_JOB_ID, or torchrun restarting it
-(``--max-restarts``), starts a new incarnation of the job at step 0.
+(``--max-restarts``), starts a new incarnation of the job at step 0. With
+restarts on gloo, also set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise the
+restarted ranks can read the old ranks' addresses from torchrun's store
+(pytorch/pytorch#135712) and hang in ``init_process_group``.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ def torchrun(
         "GRADQ_JOB_ID": job_id,
         "GRADQ_BITS": "4",
         "GRADQ_ERROR_FEEDBACK": "1",
+        # A restarted group must not read the killed one's gloo addresses from torchrun's
+        # shared store (pytorch/pytorch#135712): without this the restart hangs or fails.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     command = [
         str(TORCHRUN),
