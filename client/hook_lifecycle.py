@@ -37,14 +37,20 @@ def draw_run_names(group: dist.ProcessGroup, job_id: str | None) -> tuple[str, s
         job_id: the configured job id; None lets rank 0 draw one.
 
     Returns:
-        ``job_id`` (or ``"ddp-<uuid>"`` drawn by rank 0) and a fresh uuid that
+        Rank 0's ``job_id`` (or ``"ddp-<uuid>"`` it drew) and a fresh uuid that
         names this run of the job: a rerun or an elastic restart gets another.
+
+    A rank configured with another job id than rank 0's takes rank 0's (and
+    logs a warning), so all of them join one job.
     """
-    drawn = [(None if job_id else f"ddp-{uuid.uuid4().hex}", uuid.uuid4().hex) if dist.get_rank(group) == 0 else None]
+    drawn = [(job_id or f"ddp-{uuid.uuid4().hex}", uuid.uuid4().hex) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(drawn, src=dist.get_global_rank(group, 0), group=group)
-    names = drawn[0]
-    assert names is not None, "broadcast_object_list filled the list"
-    return job_id or str(names[0]), str(names[1])
+    assert drawn[0] is not None, "broadcast_object_list filled the list"
+    shared_job_id, incarnation = (str(name) for name in drawn[0])
+    if job_id is not None and job_id != shared_job_id:
+        # Raising here would leave the other ranks waiting in the next collective.
+        log.warning("job_id=%r differs from rank 0's %r; using rank 0's on every rank", job_id, shared_job_id)
+    return shared_job_id, incarnation
 
 
 class Membership:
