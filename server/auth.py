@@ -18,7 +18,7 @@ import grpc
 
 from gradq.server.errors import PermissionDeniedError
 
-__all__ = ["TokenScope", "TokenTable", "TokenAuthInterceptor", "check_scope", "OPEN_METHOD_PREFIXES"]
+__all__ = ["TokenScope", "TokenTable", "TokenAuthInterceptor", "bind_scope", "check_scope", "OPEN_METHOD_PREFIXES"]
 
 # Methods anyone may call: health probes and grpcurl's service listing.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

@@ -14,13 +14,29 @@ import threading
 
 from gradq.server.errors import ResourceExhaustedError
 
-__all__ = ["MemoryBudget", "return_free_memory"]
+__all__ = ["MemoryAccount", "MemoryBudget", "return_free_memory"]
 
 log = logging.getLogger(__name__)
 
 
 def _format_bytes(count: int) -> str:
     return f"{count / (1 << 20):.1f} MiB ({count} bytes)"
+
+
+class MemoryAccount:
+    """One job's share of the budget, so one job cannot take all of it from the others.
+
+    Args:
+        name: for messages (``job 'x' (incarnation='y')``).
+        limit: most bytes this job may hold (--max-job-memory-bytes).
+    """
+
+    __slots__ = ("in_use", "limit", "name")
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.in_use = 0  # changed only under the budget's lock
 
 
 class MemoryBudget:
@@ -40,13 +56,20 @@ class MemoryBudget:
         """Bytes charged now."""
         return self._in_use
 
-    def charge(self, nbytes: int, what: str) -> None:
-        """Charge ``nbytes`` for ``what`` or refuse.
+    def charge(self, nbytes: int, what: str, account: MemoryAccount) -> None:
+        """Charge ``nbytes`` for ``what`` to ``account`` and the whole budget, or refuse.
 
         Raises:
-            ResourceExhaustedError: naming the budget, what is in use and what was asked for.
+            ResourceExhaustedError: naming the limit (the job's share or the
+                budget), what is in use and what was asked for.
         """
         with self._lock:
+            if account.in_use + nbytes > account.limit:
+                raise ResourceExhaustedError(
+                    f"{what} needs {_format_bytes(nbytes)}, but {account.name} may hold at most "
+                    f"{_format_bytes(account.limit)} (--max-job-memory-bytes) and holds "
+                    f"{_format_bytes(account.in_use)} in open rounds and retained means; retry when its rounds finish"
+                )
             if self._in_use + nbytes > self.limit:
                 raise ResourceExhaustedError(
                     f"{what} needs {_format_bytes(nbytes)}, but the memory budget is {_format_bytes(self.limit)} "
@@ -54,11 +77,13 @@ class MemoryBudget:
                     f"retained means; retry when rounds finish"
                 )
             self._in_use += nbytes
+            account.in_use += nbytes
 
-    def adjust(self, old: int, new: int) -> None:
+    def adjust(self, old: int, new: int, account: MemoryAccount) -> None:
         """Replace a charge of ``old`` bytes by ``new`` (never refused: it only swaps an accumulator for its mean)."""
         with self._lock:
             self._in_use += new - old
+            account.in_use += new - old
 
 
 _libc: ctypes.CDLL | None = None

@@ -108,6 +108,13 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "a push past it gets RESOURCE_EXHAUSTED",
     ),
     (
+        "--max-job-memory-bytes",
+        "GRADQ_MAX_JOB_MEMORY_BYTES",
+        int,
+        -1,
+        "the most of --max-memory-bytes one job may hold (-1: a quarter of it), so one job cannot starve the others",
+    ),
+    (
         "--max-jobs",
         "GRADQ_MAX_JOBS",
         int,
@@ -279,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_world_size=args.max_world_size,
             job_idle_timeout_s=args.job_idle_timeout,
             max_memory_bytes=args.max_memory_bytes,
+            max_job_memory_bytes=args.max_job_memory_bytes,
             max_waiting_per_job=args.max_waiting_per_job,
             max_waiting_per_peer=args.max_waiting_per_peer,
         )

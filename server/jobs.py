@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
+from gradq.server.budget import MemoryAccount
 from gradq.server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -45,6 +46,7 @@ class Job:
     world_size: int
     incarnation: str
     last_active: float
+    memory: MemoryAccount  # its share of the memory budget
     joined: set[int] = field(default_factory=set)
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
     rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
@@ -115,14 +117,14 @@ class JobTable:
                 reason = f"superseded: {job.describe()} was restarted as {describe_incarnation(incarnation)}"
                 retired.append(self._forget(job, reason))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
-                job = self._jobs[job_id] = Job(job_id, world_size, incarnation, now, superseded=superseded)
+                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(
                         f"job {job_id!r} cannot start: this aggregator holds {len(self._jobs)} jobs, its limit "
                         f"(--max-jobs={self.limits.max_jobs}); idle jobs expire after --job-idle-timeout"
                     )
-                job = self._jobs[job_id] = Job(job_id, world_size, incarnation, now)
+                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, ())
             elif job.world_size != world_size:
                 raise FailedPreconditionError(
                     f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
@@ -199,6 +201,12 @@ class JobTable:
     def all(self) -> list[Job]:
         """Every current job. Caller holds ``lock``."""
         return list(self._jobs.values())
+
+    def _new_job(self, job_id: str, world_size: int, incarnation: str, now: float, superseded: tuple[str, ...]) -> Job:
+        account = MemoryAccount(
+            f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
+        )
+        return Job(job_id, world_size, incarnation, now, account, superseded=superseded)
 
     def _forget(self, job: Job, reason: str) -> Retired:
         job.retired = True

@@ -38,6 +38,8 @@ class ServiceLimits:
             forgotten (its rounds fail), so abandoned jobs do not pile up.
         max_memory_bytes: accumulators of open rounds plus retained means; a push
             that would open a round past it is refused.
+        max_job_memory_bytes: the most of that one job may hold, so a job that
+            opens rounds it never completes cannot take the budget from the others.
         max_waiting_per_job: PushPull calls of one job waiting for rounds at once.
         max_waiting_per_peer: PushPull calls from one client host waiting at once.
     """
@@ -48,17 +50,21 @@ class ServiceLimits:
     max_world_size: int = 1024
     job_idle_timeout_s: float = 600.0
     max_memory_bytes: int = -1  # -1: default_memory_budget(), resolved in __post_init__
+    max_job_memory_bytes: int = -1  # -1: a quarter of max_memory_bytes
     max_waiting_per_job: int = 1024
     max_waiting_per_peer: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
             object.__setattr__(self, "max_memory_bytes", default_memory_budget())
+        if self.max_job_memory_bytes == -1:
+            object.__setattr__(self, "max_job_memory_bytes", max(1, self.max_memory_bytes // 4))
         for name in (
             "max_open_rounds",
             "max_jobs",
             "max_world_size",
             "max_memory_bytes",
+            "max_job_memory_bytes",
             "max_waiting_per_job",
             "max_waiting_per_peer",
         ):

@@ -12,9 +12,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from gradq.qcore import QuantizedArray, encode
+from gradq.qcore import QuantizedArray
 from gradq.server.budget import MemoryBudget
 from gradq.server.errors import (
     CancelledError,
@@ -22,14 +22,13 @@ from gradq.server.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     RoundAbortedError,
-    RoundError,
     UnavailableError,
 )
 from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
 from gradq.server.limits import ServiceLimits
-from gradq.server.policy import PushedGrid, RoundPolicy, return_config_for
+from gradq.server.policy import PushedGrid, RoundPolicy
 from gradq.server.reports import RoundObserver
-from gradq.server.round_report import relative_error, round_report
+from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult
 from gradq.server.step_window import check_grid, check_step, contribution_digest
 
@@ -70,17 +69,10 @@ class RoundTable:
         self.policy = policy
         self.limits = limits or ServiceLimits()
         self._clock = clock
-        self._package = package
-        self._observer = observer
         self.jobs = JobTable(self.limits, policy.world_size)
         self.budget = MemoryBudget(self.limits.max_memory_bytes)
-        self.counters = {
-            "rounds_completed": 0,
-            "rounds_partial": 0,
-            "rounds_skipped": 0,
-            "rounds_failed": 0,
-            "contributions": 0,
-        }
+        self._closer = RoundCloser(policy, self.jobs, self.budget, package, observer)
+        self.counters = self._closer.counters
 
     # -- membership -------------------------------------------------------------------------
 
@@ -114,7 +106,7 @@ class RoundTable:
         for rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set() and rank not in rnd.contributors:
-                    self._close_early(job, rnd, f"rank {rank} left the job", "rank_left")
+                    self._closer.close_early(job, rnd, f"rank {rank} left the job", "rank_left")
 
     def _retire(self, retired: list[Retired]) -> None:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
@@ -125,13 +117,13 @@ class RoundTable:
             for rnd in rounds:
                 with rnd.lock:
                     if not rnd.done.is_set():
-                        self._fail(
+                        self._closer.fail(
                             gone.job,
                             rnd,
                             RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}"),
                             "retired",
                         )
-                    self.budget.adjust(rnd.charged, 0)
+                    self.budget.adjust(rnd.charged, 0, gone.job.memory)
                     rnd.charged = 0
 
     # -- the round --------------------------------------------------------------------------
@@ -186,7 +178,7 @@ class RoundTable:
             job = self.jobs.member(job_id, rank, incarnation, self._clock())
             check_grid(job, tensor)
             rnd = job.rounds.get((step, bucket))
-            if rnd is not None and self._superseded_failure(rnd, rank):
+            if rnd is not None and self._superseded_failure(rnd):
                 del job.rounds[(step, bucket)]
                 rnd = None
             if rnd is None:
@@ -208,7 +200,7 @@ class RoundTable:
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
-                    self._fail(job, rnd, error, "non_finite")
+                    self._closer.fail(job, rnd, error, "non_finite")
                     return RoundTicket(job, rnd, rank)
                 else:
                     rnd.non_finite.add(rank)
@@ -217,18 +209,19 @@ class RoundTable:
                 rnd.arrivals[rank] = self._clock()
                 rnd.received_bytes += tensor.nbytes
                 if len(rnd.contributors) == job.world_size:
-                    self._finish(job, rnd)
+                    self._closer.finish(job, rnd)
         return RoundTicket(job, rnd, rank)
 
-    def _superseded_failure(self, rnd: Round, rank: int) -> bool:
+    def _superseded_failure(self, rnd: Round) -> bool:
         """A round that failed for lack of ranks, old enough that a new push starts it afresh.
 
         For one round timeout past its deadline it answers its failure to late
-        ranks, so the stragglers of that attempt learn of it at once; after
-        that it must not break a later push of the same (step, bucket), such as
-        a legitimate step that a stray far-ahead push had opened too early.
+        ranks and retries, so the stragglers of that attempt learn of it at
+        once; after that it must not break a later push of the same (step,
+        bucket), such as a legitimate step that a stray far-ahead push had
+        opened too early (even from the same rank's credentials).
         """
-        aborted = isinstance(rnd.error, RoundAbortedError) and rank not in rnd.contributors
+        aborted = isinstance(rnd.error, RoundAbortedError)
         return aborted and self._clock() >= rnd.deadline + self.policy.round_timeout_s
 
     def _open_round(self, job: Job, step: int, bucket: int, tensor: QuantizedArray) -> Round:
@@ -242,12 +235,12 @@ class RoundTable:
                 f"{self.limits.max_open_rounds}); finish them before starting round (step={step}, bucket={bucket})"
             )
         accumulator = 4 * tensor.numel
-        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})")
+        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})", job.memory)
         grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
         try:
             rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
         except MemoryError:
-            self.budget.adjust(accumulator, 0)
+            self.budget.adjust(accumulator, 0, job.memory)
             raise
         rnd.charged = accumulator
         job.rounds[(step, bucket)] = rnd
@@ -298,83 +291,7 @@ class RoundTable:
         """Close a round whose deadline has passed (by a waiter or the sweeper)."""
         with rnd.lock:
             if not rnd.done.is_set() and self._clock() >= rnd.deadline:
-                self._close_early(job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed", "deadline")
-
-    def _finish(self, job: Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
-        """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
-        mean = rnd.mean()
-        if rnd.non_finite:
-            log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
-        config = return_config_for(self.policy, rnd.pushed)
-        try:
-            if self.policy.server_error_feedback:
-                encoded = job.error_feedback.encode(rnd.bucket, mean, config)
-            else:
-                encoded = encode(mean, config, dtype=rnd.pushed.dtype)
-        except ValueError:
-            error = InvalidArgumentError(
-                f"{rnd.describe(job.job_id)}: the mean is not finite (contributions overflow float32)"
-            )
-            self._fail(job, rnd, error, "overflow")
-            return
-        if self._observer is not None:
-            rnd.relative_error = relative_error(mean, encoded)
-        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
-        rnd.result = replace(result, packaged=self._package(result)) if self._package else result
-        log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
-        outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
-        self._release(job, rnd, outcome, reason)
-
-    def _close_early(self, job: Job, rnd: Round, reason: str, code: str) -> None:
-        """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
-        missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
-        quorum = self.policy.partial_quorum
-        if quorum and len(rnd.contributors) >= quorum:
-            log.warning(
-                "%s closed partial (%s): averaged ranks %s, missing ranks %s",
-                rnd.describe(job.job_id),
-                reason,
-                sorted(rnd.contributors),
-                list(missing),
-            )
-            self._finish(job, rnd, missing, code)
-            return
-        error = RoundAbortedError(
-            f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing "
-            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
-        )
-        self._fail(job, rnd, error, code)
-
-    def _fail(self, job: Job, rnd: Round, error: RoundError, reason: str) -> None:
-        rnd.error = error
-        log.warning("%s", error)
-        self._release(job, rnd, "failed", reason)
-
-    def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
-        """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
-        rnd.accumulator = None
-        retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
-        self.budget.adjust(rnd.charged, retained)
-        rnd.charged = retained
-        rnd.done.set()
-        for wake in rnd.wakers:
-            wake.set()
-        if self._observer is not None:
-            self._observer.round_finished(round_report(job.job_id, rnd, outcome, reason))
-        dropped: list[Round] = []
-        with self.jobs.lock:
-            self.counters[f"rounds_{outcome}"] += 1
-            self.counters["contributions"] += len(rnd.contributors)
-            job.open.discard(rnd)
-            if rnd.result is not None:
-                job.newest_completed_step = max(job.newest_completed_step, rnd.step)
-            oldest = job.newest_completed_step - self.policy.retain_steps
-            for key in [k for k, r in job.rounds.items() if r.step < oldest and r.done.is_set()]:
-                dropped.append(job.rounds.pop(key))
-        for old in dropped:
-            if old is not rnd:
-                self.budget.adjust(old.charged, 0)  # its lock is not needed: a done round's charge is final
-                old.charged = 0
+                self._closer.close_early(job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed", "deadline")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -399,7 +316,7 @@ class RoundTable:
         for job, rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set():
-                    self._fail(job, rnd, UnavailableError(f"{rnd.describe(job.job_id)}: {reason}"), "shutdown")
+                    self._closer.fail(job, rnd, UnavailableError(f"{rnd.describe(job.job_id)}: {reason}"), "shutdown")
                     failed += 1
         return failed
 
@@ -412,10 +329,6 @@ class RoundTable:
         """Job id -> joined ranks, for logs and tests."""
         with self.jobs.lock:
             return {job.job_id: sorted(job.joined) for job in self.jobs.all()}
-
-
-def _packaged_bytes(result: RoundResult) -> int:
-    return len(result.packaged) if isinstance(result.packaged, bytes) else 0
 
 
 def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:

@@ -56,7 +56,7 @@ def code_and_details(call: grpc.Future | grpc.RpcError) -> tuple[grpc.StatusCode
 
 
 def test_1_a_stray_far_ahead_step_never_locks_the_job() -> None:
-    server = serve(RoundPolicy(round_timeout_s=0.3), ServiceLimits(max_steps_ahead=4))
+    server = serve(RoundPolicy(round_timeout_s=1.0), ServiceLimits(max_steps_ahead=4))
     address = f"127.0.0.1:{server.port}"
     try:
         legit = LegitJob(address, "fut", 2)
@@ -70,8 +70,8 @@ def test_1_a_stray_far_ahead_step_never_locks_the_job() -> None:
         with pytest.raises(grpc.RpcError) as aborted:
             attacker.PushPull(push_request("fut", 1, 7, gradient(1, 7)), timeout=5)
         assert code_and_details(aborted.value)[0] == grpc.StatusCode.ABORTED
-        time.sleep(0.35)  # past the failed round's answer period
-        legit.run(range(5, 12))
+        time.sleep(1.05)  # past the failed round's answer period
+        legit.run(range(5, 12))  # step 7 included: rank 1's stray push there is not mixed in
         legit.close()
         channel.close()
     finally:
@@ -163,34 +163,49 @@ def test_3b_a_peer_past_its_waiting_cap_is_refused() -> None:
 
 
 def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back() -> None:
-    budget = 56 << 20
+    budget, share = 42 << 20, 24 << 20  # the warm-up and the legitimate job retain a little under 1 MiB
     process, port = spawn_aggregator(
-        "--max-memory-bytes", str(budget), "--round-timeout", "2", "--log-level", "WARNING", stderr=subprocess.DEVNULL
-    )
+        "--max-memory-bytes", str(budget), "--max-job-memory-bytes", str(share), "--round-timeout", "2",
+        "--log-level", "WARNING", stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     address = f"127.0.0.1:{port}"
     try:
-        run_legit_job(address, "legit", 2, range(2))
+        legit = LegitJob(address, "legit", 2)
+        legit.run(range(2))
         channel, attacker = stub(address)
         one_bit = QuantConfig(scheme=Scheme.PER_TENSOR_AFFINE, bits=1)
-        big = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)  # a 16 MiB accumulator each
+        big = np.random.default_rng(0).standard_normal(1 << 21).astype(np.float32)  # an 8 MiB accumulator each
         # One complete round on the same grid first: the kernels' JIT compilation is not what is measured.
         attacker.Join(pb.JoinRequest(job_id="warm", rank=0, world_size=1), timeout=5)
         attacker.PushPull(push_request("warm", 0, 0, big, one_bit), timeout=30)
         time.sleep(0.5)
         baseline = rss_bytes(process.pid)
-        attacker.Join(pb.JoinRequest(job_id="hog", rank=0, world_size=2), timeout=5)
-        hogs = [
-            attacker.PushPull.future(push_request("hog", 0, 0, big, one_bit, bucket=b), timeout=5) for b in range(4)
-        ]
-        time.sleep(0.5)
-        refused = [code_and_details(call) for call in hogs if call.done()]
+
+        def hog(job: str, rounds: int) -> tuple[list[grpc.Future], list[tuple[grpc.StatusCode, str]]]:
+            attacker.Join(pb.JoinRequest(job_id=job, rank=0, world_size=2), timeout=5)
+            calls = [
+                attacker.PushPull.future(push_request(job, 0, 0, big, one_bit, bucket=b), timeout=5)
+                for b in range(rounds)
+            ]
+            time.sleep(0.5)
+            return calls, [code_and_details(call) for call in calls if call.done()]
+
+        # One job may hold its share and no more; the others' rounds still fit.
+        first, refused = hog("hog-a", 4)
         assert len(refused) == 1 and refused[0][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"the memory budget is 56.0 MiB ({budget} bytes)" in refused[0][1] and "needs 16.0 MiB" in refused[0][1]
-        run_legit_job(address, "legit", 2, range(2, 6))  # small rounds still fit under the budget
-        settle(hogs)
-        time.sleep(1.0)  # the sweeper gives the freed accumulators back
+        assert "may hold at most 24.0 MiB" in refused[0][1] and "--max-job-memory-bytes" in refused[0][1]
+        legit.run(range(2, 6))
+        # A second job fills the whole budget: past it, RESOURCE_EXHAUSTED naming budget and use.
+        second, refused = hog("hog-b", 3)
+        assert len(refused) == 1 and refused[0][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"the memory budget is 42.0 MiB ({budget} bytes)" in refused[0][1] and "needs 8.0 MiB" in refused[0][1]
+        settle(first + second)
+        time.sleep(2.5)  # the rounds reach their deadline and the sweeper gives their memory back
         after = rss_bytes(process.pid)
-        assert after < baseline + (24 << 20), f"RSS {after >> 20} MiB after the rounds, {baseline >> 20} MiB before"
+        # Without giving the heap back it stays ~44 MiB above (measured); with it, ~24 MiB.
+        assert after < baseline + (32 << 20), f"RSS {after >> 20} MiB after the rounds, {baseline >> 20} MiB before"
+        legit.run(range(6, 9))
+        legit.close()
         channel.close()
     finally:
         process.terminate()
@@ -198,7 +213,7 @@ def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back(
 
 
 def test_5_membership_is_bounded_and_join_responses_do_not_grow() -> None:
-    limits = ServiceLimits(max_jobs=20, max_world_size=64, job_idle_timeout_s=1.0)
+    limits = ServiceLimits(max_jobs=20, max_world_size=64, job_idle_timeout_s=3.0)
     server = serve(RoundPolicy(round_timeout_s=5.0), limits)
     address = f"127.0.0.1:{server.port}"
     try:
@@ -217,7 +232,7 @@ def test_5_membership_is_bounded_and_join_responses_do_not_grow() -> None:
             attacker.Join(pb.JoinRequest(job_id="storm-last", rank=0, world_size=2), timeout=5)
         code, details = code_and_details(full.value)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-jobs=20" in details
-        time.sleep(1.6)  # idle jobs expire
+        time.sleep(3.6)  # idle jobs expire
         assert server.table.active_jobs() == {}
         run_legit_job(address, "legit", 2, range(3))
         channel.close()

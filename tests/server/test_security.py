@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradq.client import AggregationError, ChannelSecurity, WorkerClient
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
-from gradq.server.auth import TokenScope, TokenTable
+from gradq.server.auth import TokenScope, TokenTable, bind_scope, check_scope
+from gradq.server.errors import PermissionDeniedError
 from gradq.server.policy import RoundPolicy
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
@@ -156,3 +158,45 @@ def test_token_file_format_errors_name_the_line(tmp_path: Path) -> None:
         "abcdefghijklmnop": TokenScope(rank=3),
         "qrstuvwxyzabcdef": TokenScope(),
     }
+
+
+def test_token_file_scopes_tokens_to_a_job_a_prefix_and_a_rank(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("abcdefghijklmnop job=resnet rank=1\nqrstuvwxyzabcdef job=team-*\nponmlkjihgfedcba job=*\n")
+    tokens = TokenTable.from_file(path).tokens
+    assert tokens == {
+        "abcdefghijklmnop": TokenScope("resnet", 1),
+        "qrstuvwxyzabcdef": TokenScope("team-*"),
+        "ponmlkjihgfedcba": TokenScope(),
+    }
+    assert tokens["abcdefghijklmnop"].allows("resnet", 1) and not tokens["abcdefghijklmnop"].allows("resnet-2", 1)
+    assert tokens["qrstuvwxyzabcdef"].allows("team-b", 7) and not tokens["qrstuvwxyzabcdef"].allows("other", 0)
+    path.write_text("abcdefghijklmnop rank=1\n")
+    with pytest.raises(ValueError, match=r"tokens:1: rank= without job="):
+        TokenTable.from_file(path)
+
+
+def test_the_scope_is_bound_around_streaming_handlers_too() -> None:
+    seen: list[str] = []
+
+    def stream(request: object, context: object) -> Iterator[str]:
+        try:
+            check_scope("other", 0)
+        except PermissionDeniedError as error:
+            seen.append(str(error))
+        yield "done"
+
+    handler = bind_scope(grpc.unary_stream_rpc_method_handler(stream), TokenScope("mine", 0))
+    assert list(handler.unary_stream(None, None)) == ["done"]
+    assert seen == ["this token is bound to job 'mine', rank 0; the request says job_id='other', rank=0"]
+    check_scope("other", 0)  # outside the call no scope is bound
+
+
+def test_unscoped_tokens_and_plaintext_off_loopback_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    server = AggregatorServer(RoundPolicy(), ServerOptions("0.0.0.0:0", grace_s=0.1, tokens=TokenTable(TOKENS)))
+    with caplog.at_level(logging.WARNING, logger="gradq.server.app"):
+        server.start()
+        server.stop()
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any("serving plaintext on 0.0.0.0:0, which is not a loopback address" in text for text in warnings)
+    assert any("3 token(s) in the token file are not scoped to a job" in text for text in warnings)

@@ -53,6 +53,15 @@ def test_help_lists_every_flag_with_its_environment_variable() -> None:
         "GRADQ_MAX_MESSAGE_BYTES",
         "GRADQ_PARTIAL_QUORUM",
         "GRADQ_LOG_LEVEL",
+        "GRADQ_MAX_STEPS_AHEAD",
+        "GRADQ_MAX_OPEN_ROUNDS",
+        "GRADQ_MAX_MEMORY_BYTES",
+        "GRADQ_MAX_JOB_MEMORY_BYTES",
+        "GRADQ_MAX_JOBS",
+        "GRADQ_MAX_WORLD_SIZE",
+        "GRADQ_JOB_IDLE_TIMEOUT",
+        "GRADQ_MAX_WAITING_PER_JOB",
+        "GRADQ_MAX_WAITING_PER_PEER",
     ):
         assert env in completed.stdout
 

@@ -1,0 +1,140 @@
+"""Closing a round: average and re-encode it, or fail it; then wake its waiters, count it and forget old rounds.
+
+Every method is called with the round's lock held; it takes the job table's
+lock after it (the table's lock order) and the budget's, a leaf.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from gradq.qcore import encode
+from gradq.server.budget import MemoryBudget
+from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
+from gradq.server.jobs import Job, JobTable
+from gradq.server.policy import RoundPolicy, return_config_for
+from gradq.server.reports import RoundObserver
+from gradq.server.round_report import relative_error, round_report
+from gradq.server.round_state import Round, RoundResult
+
+__all__ = ["RoundCloser"]
+
+log = logging.getLogger(__name__)
+
+
+class RoundCloser:
+    """Finishes and fails rounds for a RoundTable.
+
+    Args:
+        policy: quorum and return scheme.
+        jobs: the job table (its lock guards every job's rounds).
+        budget: charged for accumulators, then for retained means.
+        package: turns a result into its wire answer, once per round.
+        observer: told about every finished round (metrics).
+    """
+
+    def __init__(
+        self,
+        policy: RoundPolicy,
+        jobs: JobTable,
+        budget: MemoryBudget,
+        package: Callable[[RoundResult], object] | None,
+        observer: RoundObserver | None,
+    ) -> None:
+        self.policy = policy
+        self._jobs = jobs
+        self._budget = budget
+        self._package = package
+        self._observer = observer
+        self.counters = {
+            "rounds_completed": 0,
+            "rounds_partial": 0,
+            "rounds_skipped": 0,
+            "rounds_failed": 0,
+            "contributions": 0,
+        }
+
+    def finish(self, job: Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
+        """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
+        mean = rnd.mean()
+        if rnd.non_finite:
+            log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
+        config = return_config_for(self.policy, rnd.pushed)
+        try:
+            if self.policy.server_error_feedback:
+                encoded = job.error_feedback.encode(rnd.bucket, mean, config)
+            else:
+                encoded = encode(mean, config, dtype=rnd.pushed.dtype)
+        except ValueError:
+            error = InvalidArgumentError(
+                f"{rnd.describe(job.job_id)}: the mean is not finite (contributions overflow float32)"
+            )
+            self.fail(job, rnd, error, "overflow")
+            return
+        if self._observer is not None:
+            rnd.relative_error = relative_error(mean, encoded)
+        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
+        rnd.result = replace(result, packaged=self._package(result)) if self._package else result
+        log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
+        outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
+        self._release(job, rnd, outcome, reason)
+
+    def close_early(self, job: Job, rnd: Round, reason: str, code: str) -> None:
+        """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
+        missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
+        quorum = self.policy.partial_quorum
+        if quorum and len(rnd.contributors) >= quorum:
+            log.warning(
+                "%s closed partial (%s): averaged ranks %s, missing ranks %s",
+                rnd.describe(job.job_id),
+                reason,
+                sorted(rnd.contributors),
+                list(missing),
+            )
+            self.finish(job, rnd, missing, code)
+            return
+        error = RoundAbortedError(
+            f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing "
+            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
+        )
+        self.fail(job, rnd, error, code)
+
+    def fail(self, job: Job, rnd: Round, error: RoundError, reason: str) -> None:
+        """Fail the round for every waiter with ``error`` (``reason`` labels it in metrics); holds ``rnd.lock``."""
+        rnd.error = error
+        log.warning("%s", error)
+        self._release(job, rnd, "failed", reason)
+
+    def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
+        """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
+        rnd.accumulator = None
+        retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
+        self._budget.adjust(rnd.charged, retained, job.memory)
+        rnd.charged = retained
+        rnd.done.set()
+        for wake in rnd.wakers:
+            wake.set()
+        if self._observer is not None:
+            self._observer.round_finished(round_report(job.job_id, rnd, outcome, reason))
+        dropped: list[Round] = []
+        with self._jobs.lock:
+            self.counters[f"rounds_{outcome}"] += 1
+            self.counters["contributions"] += len(rnd.contributors)
+            job.open.discard(rnd)
+            if rnd.result is not None:
+                job.newest_completed_step = max(job.newest_completed_step, rnd.step)
+            oldest = job.newest_completed_step - self.policy.retain_steps
+            for key in [k for k, r in job.rounds.items() if r.step < oldest and r.done.is_set()]:
+                dropped.append(job.rounds.pop(key))
+        for old in dropped:
+            if old is not rnd:
+                self._budget.adjust(
+                    old.charged, 0, job.memory
+                )  # its lock is not needed: a done round's charge is final
+                old.charged = 0
+
+
+def _packaged_bytes(result: RoundResult) -> int:
+    return len(result.packaged) if isinstance(result.packaged, bytes) else 0
