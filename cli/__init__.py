@@ -20,7 +20,15 @@ _SUBCOMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``gradq <subcommand> ...``; returns the process exit status."""
     args = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="gradq", description="Quantized gradient aggregation for PyTorch DDP.")
+    parser = argparse.ArgumentParser(
+        prog="gradq",
+        description="Quantized gradient aggregation for PyTorch DDP.",
+        epilog="In your own training script: model.register_comm_hook(GradqHookState.from_env(), gradq_hook) "
+        "(gradq.client.ddp_hook), configured by GRADQ_AGGREGATOR, GRADQ_JOB_ID, GRADQ_BITS, ...; launch it with "
+        "torchrun --standalone --nproc_per_node=N against a running `gradq serve`. Each rank leaves its job when its "
+        "process exits, and a rerun or a torchrun restart with the same GRADQ_JOB_ID starts the job afresh. "
+        "See examples/torchrun_train.py and the README's 'With torchrun'.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, summary) in _SUBCOMMANDS.items():
         sub.add_parser(name, help=summary, add_help=False)

@@ -7,9 +7,9 @@ the gRPC completion callback fills the returned future with the averaged bucket.
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
 # registration and needs real types, not strings.
 import logging
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.hook_checkpoint import BucketResiduals, checkpoint_of, resume_from
+from gradq.client.hook_env import hook_arguments_from_env
+from gradq.client.hook_errors import BackwardFailures
+from gradq.client.hook_lifecycle import Membership, draw_run_names
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
 from gradq.client.torch_codec import CODECS, bucket_and_output, on_callers_stream
@@ -36,9 +40,30 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 # DDP pushes every rank's buckets in the same order, so the hook may hold pushes back.
 DEFAULT_HOOK_IN_FLIGHT = 2
 
+# What a pickled state leaves out: a copy is a configuration and connects as a new incarnation.
+_UNPICKLED = frozenset(
+    {
+        "__weakref__",
+        "_bucket_residuals",
+        "_client",
+        "_closed",
+        "_failures",
+        "_membership",
+        "_mode",
+        "_sender_pool",
+        "incarnation",
+        "process_group",
+    }
+)
+
 
 class GradqHookState:
     """Everything ``gradq_hook`` needs; connects lazily on the first bucket.
+
+    Each connect is a new incarnation of ``job_id`` (rank 0 draws it), so a
+    rerun or a torchrun restart with the same id starts the job afresh. The
+    state leaves the job on ``close()``, at the end of a ``with`` block, when it
+    (or the DDP model holding it) is collected, or when the process exits.
 
     Args:
         addresses: ``host:port`` of the aggregator shard(s).
@@ -63,7 +88,12 @@ class GradqHookState:
     """
 
     __slots__ = (
+        "__weakref__",  # Membership leaves the job when the state is collected
+        "_bucket_residuals",  # names buckets by their parameters: residuals survive rebuilds and checkpoints
         "_client",  # WorkerClient: a live channel, left out of the pickled form
+        "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
+        "_failures",  # bucket failures held until DDP's backward ends, then raised typed
+        "_membership",  # leaves the job once, at close / collection / exit
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
         "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
@@ -73,6 +103,7 @@ class GradqHookState:
         "connect_timeout_s",  # first join's patience
         "error_feedback",  # whether residuals are kept
         "fallback",  # behaviour when the aggregator is unreachable at start
+        "incarnation",  # this run of the job, drawn by rank 0 at connect (None before)
         "job_id",  # round namespace on the aggregator, same on every rank
         "max_in_flight",  # pushes per shard on the wire at once
         "process_group",  # DDP's group; left out of the pickled form
@@ -121,9 +152,60 @@ class GradqHookState:
             raise ValueError(f"codec={codec!r} is invalid; expected one of {', '.join(CODECS)}")
         self.codec = codec
         self.step = 0
+        self._reset_connection()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "GradqHookState":
+        """A state configured by the GRADQ_* variables `gradq worker` and the Compose workers use.
+
+        Args:
+            environ: the variables (None: ``os.environ``); see
+                gradq.client.hook_env.HOOK_ENVIRONMENT for their names.
+            overrides: constructor arguments that win over the variables
+                (e.g. ``fallback="allreduce"``).
+
+        Returns:
+            The configured state (not yet connected).
+
+        Raises:
+            ValueError: GRADQ_AGGREGATOR is unset, or a variable holds a bad value.
+        """
+        return cls(**{**hook_arguments_from_env(environ), **overrides})
+
+    def _reset_connection(self) -> None:
+        """The fields a new or unpickled state starts without: nothing is connected yet."""
+        self.incarnation: str | None = None
         self._client: WorkerClient | None = None
         self._mode: str | None = None
         self._sender_pool: ThreadPoolExecutor | None = None
+        self._membership: Membership | None = None
+        self._failures = BackwardFailures()
+        self._bucket_residuals = BucketResiduals()
+        self._closed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that resuming keeps error feedback (``torch.save`` it with the model).
+
+        Returns:
+            ``step`` (the next round's step), ``config`` (the push grid as plain
+            values), ``error_feedback``, and ``residuals``: each bucket's residual
+            as a flat float32 CPU tensor, keyed by the bucket's parameters'
+            dtypes and shapes (see gradq.client.hook_checkpoint), so a resume
+            on another device or after DDP's bucket rebuild still matches.
+        """
+        return checkpoint_of(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``'s output; call it before the first backward.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (e.g. after ``torch.load``).
+
+        Raises:
+            RuntimeError: the state has connected already (its grid is in use).
+            ValueError: a key is missing or holds a bad value.
+        """
+        resume_from(self, state_dict)
 
     def _sender(self) -> ThreadPoolExecutor:
         if self._sender_pool is None:
@@ -131,8 +213,7 @@ class GradqHookState:
         return self._sender_pool
 
     def __getstate__(self) -> dict[str, Any]:
-        skipped = ("_client", "_mode", "_sender_pool", "process_group")
-        return {name: getattr(self, name) for name in self.__slots__ if name not in skipped}
+        return {name: getattr(self, name) for name in self.__slots__ if name not in _UNPICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Fields added since the first release, for states pickled before them.
@@ -140,9 +221,7 @@ class GradqHookState:
         for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
         self.process_group = None
-        self._client = None
-        self._mode = None
-        self._sender_pool = None
+        self._reset_connection()
 
     @property
     def client(self) -> WorkerClient | None:
@@ -155,17 +234,33 @@ class GradqHookState:
         return self._mode
 
     def stats(self) -> ClientStats | None:
-        """The worker client's figures (encode/network/decode time, bytes, ratio, error); None if not connected."""
+        """The worker client's figures; None if not connected.
+
+        Returns:
+            Encode / network / decode time, bytes each way, relative error, and
+            the compression ratio against the buckets' own dtype (``dtype``
+            names it: a bf16 bucket is compared with 2 bytes per element).
+        """
         return self._client.stats() if self._client is not None else None
 
     def close(self) -> None:
-        """Leave the job and close the channels."""
+        """Leave the job and close the channels; idempotent. The hook refuses buckets afterwards."""
+        self._closed = True
         if self._sender_pool is not None:
-            self._sender_pool.shutdown(wait=True)
+            self._sender_pool.shutdown(wait=True)  # pushes already handed over go out before the Leave
             self._sender_pool = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._membership is not None:
+            self._membership.close()
+            self._membership = None
+        self._client = None
+
+    def __enter__(self) -> "GradqHookState":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def _group(self) -> dist.ProcessGroup:
         group = self.process_group if self.process_group is not None else dist.group.WORLD
@@ -176,10 +271,7 @@ class GradqHookState:
         """Join on every shard; all ranks then agree on gradq or the fallback."""
         group = self._group()
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        if self.job_id is None:
-            drawn = [uuid.uuid4().hex if rank == 0 else None]
-            dist.broadcast_object_list(drawn, src=dist.get_global_rank(group, 0), group=group)
-            self.job_id = f"ddp-{drawn[0]}"
+        self.job_id, self.incarnation = draw_run_names(group, self.job_id)
         client = WorkerClient(
             self.addresses,
             self.job_id,
@@ -191,6 +283,7 @@ class GradqHookState:
             security=self.security,
             chunk_elements=self.chunk_elements,
             max_in_flight=self.max_in_flight,
+            incarnation=self.incarnation,
         )
         failure: AggregationError | None = None
         try:
@@ -204,6 +297,7 @@ class GradqHookState:
         dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=group)
         if reachable.item() == 1:
             self._client, self._mode = client, "gradq"
+            self._membership = Membership(self, client)
             return
         if failure is None:
             client.close()
@@ -227,12 +321,22 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
 
     Returns:
         A future DDP waits on, completed by the gRPC callback with the mean
-        bucket (same shape, dtype and device as ``bucket.buffer()``).
+        bucket (same shape, dtype and device as ``bucket.buffer()``). A failed
+        round makes ``backward()`` raise its AggregationError (see
+        gradq.client.hook_errors).
     """
+    if state._closed:
+        raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")
     if state.mode is None:
         state._connect()
     if state.mode != "gradq":
         return _FALLBACK_HOOKS[str(state.mode)](state, bucket)
+    if state.error_feedback:
+        state._bucket_residuals.observe(state, bucket)
+    return state._failures.guard(_push_bucket(state, bucket), bucket.buffer())
+
+
+def _push_bucket(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     client = state.client
     assert client is not None
     buffer = bucket.buffer()

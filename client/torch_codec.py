@@ -13,10 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CODECS", "bucket_and_output", "on_callers_stream"]
+__all__ = ["CODECS", "bucket_and_output", "on_callers_stream", "quantizes_on_device"]
 
 # "auto": the torch codec for buckets on an accelerator, numpy for CPU buckets.
 CODECS = ("auto", "torch", "numpy")
+
+
+def quantizes_on_device(device: torch.device, codec: str) -> bool:
+    """Whether a bucket on ``device`` goes through the torch codec (else numpy, on the host)."""
+    return codec == "torch" or (codec == "auto" and device.type != "cpu")
 
 
 def bucket_and_output(buffer: torch.Tensor, codec: str) -> tuple[Any, Any]:
@@ -31,7 +36,7 @@ def bucket_and_output(buffer: torch.Tensor, codec: str) -> tuple[Any, Any]:
         codec: one of ``CODECS``.
     """
     flat = buffer.detach().reshape(-1)
-    if codec == "torch" or (codec == "auto" and flat.device.type != "cpu"):
+    if quantizes_on_device(flat.device, codec):
         out = (
             flat if flat.dtype == torch.float32 else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
         )

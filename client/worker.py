@@ -248,7 +248,7 @@ class WorkerClient:
         parts: list[concurrent.futures.Future[Any]] = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
             error_ratio = self._sampled_error(arrays, key, flat[begin:end], tensor)
-            self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio)
+            self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio, tensor.dtype)
             try:
                 parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
             except AggregationError as error:
@@ -262,7 +262,9 @@ class WorkerClient:
         return assemble(parts, out, shape)
 
     def _arrays_for(self, values: Any) -> ArrayCodec:
-        library = library_of(values)
+        return self._arrays_of(library_of(values))
+
+    def _arrays_of(self, library: str) -> ArrayCodec:
         arrays = self._arrays.get(library)
         if arrays is None:
             arrays = self._arrays[library] = new_arrays(library, self.config, self._error_feedback)
@@ -271,10 +273,10 @@ class WorkerClient:
     def residuals(self, library: str = "numpy") -> ResidualStore | None:
         """The error-feedback residuals of the buckets pushed as ``library`` arrays, by round key.
 
-        None when error feedback is off or nothing was pushed in that library yet.
+        Made on first use, so a checkpoint can be restored into it before the
+        first push; None when error feedback is off.
         """
-        arrays = self._arrays.get(library)
-        return arrays.error_feedback if arrays is not None else None
+        return self._arrays_of(library).error_feedback
 
     def _sampled_error(self, arrays: ArrayCodec, key: int, values: Any, tensor: QuantizedArray) -> float | None:
         """||decoded - input|| / ||input|| of every 16th push (norms cost as much as encoding)."""
@@ -351,7 +353,7 @@ class WorkerClient:
             self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnation
         )
         if not counted:
-            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None)
+            self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)
         if self._window.admit(shard, pending):
             self._start(pending)
         return pending.result

@@ -18,6 +18,7 @@ from gradq.qcore.codecs import registered_schemes
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "DTYPE_BYTES",
     "parse_with_tensor",
     "serialize_with_tensor",
     "tensor_from_proto",
@@ -29,8 +30,10 @@ M = TypeVar("M", bound=Message)
 
 _PAYLOAD_FIELD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
 
-# Element types a sender may declare; the receiver casts the mean back to it.
-ALLOWED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+# Element types a sender may declare (the receiver casts the mean back to it),
+# with their size: what a bucket would weigh uncompressed, for the statistics.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+ALLOWED_DTYPES = frozenset(DTYPE_BYTES)
 
 
 def tensor_header(q: QuantizedArray) -> pb.QuantizedTensor:

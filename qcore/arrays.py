@@ -37,6 +37,9 @@ class ResidualStore(Protocol):
     def keys(self) -> Iterator[Hashable]:
         """The keys that hold a residual."""
 
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget one key's residual, or all of them."""
+
 
 class ArrayCodec(Protocol):
     """What ``WorkerClient`` asks of an array library."""

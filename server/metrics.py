@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from gradq.proto.convert import DTYPE_BYTES
 from gradq.server.reports import RoundReport
 
 __all__ = ["RoundMetrics"]
@@ -36,9 +37,15 @@ class RoundMetrics:
         self.fp32_bytes = Counter(
             "gradq_fp32_equivalent_bytes", "What the accepted contributions weigh in fp32", job, registry=self.registry
         )
+        self.uncompressed_bytes = Counter(
+            "gradq_uncompressed_bytes",
+            "What the accepted contributions weigh in the dtype they were pushed from",
+            ["job", "dtype"],
+            registry=self.registry,
+        )
         self.compression_ratio = Gauge(
             "gradq_compression_ratio",
-            "fp32 bytes / wire bytes of the last round's contributions",
+            "Uncompressed bytes (in the pushed dtype) / wire bytes of the last round's contributions",
             job,
             registry=self.registry,
         )
@@ -84,8 +91,10 @@ class RoundMetrics:
         self.received_bytes.labels(job).inc(report.received_bytes)
         self.sent_bytes.labels(job).inc(report.sent_bytes)
         self.fp32_bytes.labels(job).inc(fp32)
+        uncompressed = DTYPE_BYTES[report.dtype] * report.numel * report.contributors
+        self.uncompressed_bytes.labels(job, report.dtype).inc(uncompressed)
         if report.received_bytes:
-            self.compression_ratio.labels(job).set(fp32 / report.received_bytes)
+            self.compression_ratio.labels(job).set(uncompressed / report.received_bytes)
         if report.relative_error is not None:
             self.relative_error.labels(job).set(report.relative_error)
         self.straggler_seconds.labels(job).observe(report.straggler_seconds)

@@ -26,6 +26,8 @@ class RoundReport:
             the one before it arrived (0 with fewer than two ranks).
         slowest_rank: the rank that arrived last (-1 if none).
         relative_error: ||mean sent - fp32 mean|| / ||fp32 mean|| (None if not computed).
+        dtype: the element type the ranks pushed (their buckets' own), the
+            baseline of the compression ratio.
     """
 
     job_id: str
@@ -39,6 +41,7 @@ class RoundReport:
     straggler_seconds: float
     slowest_rank: int
     relative_error: float | None
+    dtype: str = "float32"
 
 
 class RoundObserver(Protocol):

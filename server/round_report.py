@@ -54,4 +54,5 @@ def round_report(job_id: str, rnd: Round, outcome: str, reason: str) -> RoundRep
         straggler_seconds=arrivals[-1][1] - arrivals[-2][1] if len(arrivals) > 1 else 0.0,
         slowest_rank=arrivals[-1][0] if arrivals else -1,
         relative_error=rnd.relative_error,
+        dtype=rnd.pushed.dtype,
     )

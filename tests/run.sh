@@ -21,7 +21,7 @@ typecheck_root=.mypy_cache/src
 rm -rf "$typecheck_root" && mkdir -p "$typecheck_root/gradq"
 for part in qcore server client proto cli; do ln -s "$PWD/$part" "$typecheck_root/gradq/$part"; done
 MYPYPATH="$typecheck_root" .venv/bin/mypy -p gradq
-MYPYPATH="$typecheck_root" .venv/bin/mypy bench tests
+MYPYPATH="$typecheck_root" .venv/bin/mypy bench tests examples
 
 echo "== generated code"
 .venv/bin/python proto/generate.py --check

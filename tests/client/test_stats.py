@@ -34,7 +34,7 @@ def test_stats_count_what_was_sent_and_log_one_line(caplog: pytest.LogCaptureFix
         server.stop()
     assert stats.pushes == pushes
     assert stats.bytes_sent == pushes * wire_size(numel, config) == stats.bytes_received
-    assert stats.fp32_bytes == pushes * 4 * numel
+    assert stats.uncompressed_bytes == pushes * 4 * numel and stats.dtype == "float32"
     assert 3.8 < stats.compression_ratio < 4.0
     assert 0 < stats.relative_error < 0.02
     assert stats.encode_seconds > 0 and stats.network_seconds > 0 and stats.decode_seconds > 0
