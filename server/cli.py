@@ -95,6 +95,14 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
     ),
     ("--grace", "GRADQ_GRACE", float, 10.0, "seconds rounds in flight get to finish after SIGTERM"),
+    (
+        "--exit-after-jobs",
+        "GRADQ_EXIT_AFTER_JOBS",
+        int,
+        0,
+        "stop gracefully and exit 0 once N jobs have finished (every rank of each has left, e.g. a Compose "
+        "cluster's one job); 0 serves until SIGTERM",
+    ),
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--log-format", "GRADQ_LOG_FORMAT", str, "text", "'text' or 'json' (one JSON object per line, for log shippers)"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
@@ -199,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls=_tls_files(args),
             tokens=TokenTable.from_file(args.token_file) if args.token_file else None,
             metrics_port=args.metrics_port,
+            exit_after_jobs=args.exit_after_jobs,
         )
         server = AggregatorServer(policy, options)
     except (ValueError, OSError) as error:

@@ -64,6 +64,8 @@ class RoundTable:
         package: turns a finished round's result into its wire answer, once
             per round (stored as ``RoundResult.packaged``).
         observer: told about every finished round (metrics).
+        job_finished: called with a job's id once its last joined rank has left
+            (``gradq serve --exit-after-jobs`` counts these).
     """
 
     def __init__(
@@ -72,11 +74,13 @@ class RoundTable:
         clock: Callable[[], float] = time.monotonic,
         package: Callable[[RoundResult], object] | None = None,
         observer: RoundObserver | None = None,
+        job_finished: Callable[[str], None] | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
         self._package = package
         self._observer = observer
+        self._job_finished = job_finished
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._closing = False
@@ -142,13 +146,16 @@ class RoundTable:
                 return
             job.joined.discard(rank)
             waiting = [r for r in job.rounds.values() if not r.done.is_set()]
-            if not job.joined:
+            finished = not job.joined
+            if finished:
                 del self._jobs[job_id]
         log.info("leave rank %d from job %r", rank, job_id)
         for rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set() and rank not in rnd.contributors:
                     self._close_early(job_id, job, rnd, f"rank {rank} left the job", "rank_left")
+        if finished and self._job_finished is not None:
+            self._job_finished(job_id)
 
     # -- the round --------------------------------------------------------------------------
 
