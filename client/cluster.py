@@ -23,64 +23,96 @@ import ipaddress
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.security import ChannelSecurity
-from gradq.client.training import TrainResult, TrainSpec, train_digits
 from gradq.qcore import QuantConfig, Scheme
 
-__all__ = ["main", "discover_rank"]
+if TYPE_CHECKING:
+    from gradq.client.training import TrainResult
+
+__all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
 
 # The exit status of a worker stopped by SIGTERM before it has a verdict (128 + SIGTERM, as a shell reports it).
 _STOPPED_STATUS = 128 + signal.SIGTERM
 
 
-def discover_rank(peers: str, world_size: int, timeout_s: float, settle_s: float = 3.0) -> tuple[int, str]:
-    """(this host's rank, the rank-0 address) from the addresses ``peers`` resolves to.
+class PeerDiscovery:
+    """This host's rank among the addresses a DNS name (``peers``) resolves to.
 
-    Waits until ``peers`` resolves to exactly ``world_size`` addresses, this
-    host's among them, unchanged for ``settle_s`` seconds: replicas that start
-    a moment apart then agree on the ranks.
-
-    Raises:
-        RuntimeError: more than ``world_size`` peers (at once), or not
-            ``world_size`` settled peers including this host within ``timeout_s``.
+    Args:
+        peers: DNS name of every worker (a Compose service name).
+        world_size: how many workers the job has.
+        timeout_s: how long ``wait`` waits for them.
+        settle_s: how long the addresses must stay unchanged before ranks are
+            taken, so that replicas starting a moment apart agree on them.
     """
-    mine = socket.gethostbyname(socket.gethostname())
-    started = time.monotonic()
-    found: list[str] = []
-    changed_at = started
-    while True:
-        now = time.monotonic()
+
+    def __init__(self, peers: str, world_size: int, timeout_s: float, settle_s: float) -> None:
+        self.peers = peers
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.settle_s = settle_s
+        # The most addresses seen so far: a worker stopped while it waits still knows it was one too many.
+        self.most_seen: list[str] = []
+
+    def _resolve(self) -> list[str]:
         try:
-            seen = sorted(
-                {str(info[4][0]) for info in socket.getaddrinfo(peers, None, socket.AF_INET)}, key=ipaddress.ip_address
-            )
+            infos = socket.getaddrinfo(self.peers, None, socket.AF_INET)
         except socket.gaierror:
-            seen = []
-        if len(seen) > world_size:
-            raise RuntimeError(
-                f"--peers={peers!r} resolves to {len(seen)} workers {seen}, but --world-size={world_size}; "
-                f"in Compose both come from GRADQ_WORKERS: run `GRADQ_WORKERS={len(seen)} docker compose up` "
-                f"instead of `--scale worker={len(seen)}`"
-            )
-        if seen != found:
-            found, changed_at = seen, now
-        if len(found) == world_size and mine in found and now - changed_at >= settle_s:
-            return found.index(mine), found[0]
-        if now - started > timeout_s:
-            raise RuntimeError(
-                f"--peers={peers!r} resolved to {found} after {now - started:.0f} s (--peer-timeout); expected "
-                f"{world_size} addresses including this host's {mine}; in Compose, GRADQ_WORKERS sets both the "
-                "number of workers and --world-size"
-            )
-        time.sleep(0.25)
+            return []
+        found = sorted({str(info[4][0]) for info in infos}, key=ipaddress.ip_address)
+        if len(found) > len(self.most_seen):
+            self.most_seen = found
+        return found
+
+    def too_many(self) -> str | None:
+        """The error message if more than ``world_size`` workers were ever seen, else None."""
+        if len(self.most_seen) <= self.world_size:
+            return None
+        count = len(self.most_seen)
+        return (
+            f"--peers={self.peers!r} resolves to {count} workers {self.most_seen}, but --world-size="
+            f"{self.world_size}; in Compose both come from GRADQ_WORKERS: run `GRADQ_WORKERS={count} docker "
+            f"compose up` instead of `--scale worker={count}`"
+        )
+
+    def wait(self) -> tuple[int, str]:
+        """Block until exactly ``world_size`` settled addresses include this host's.
+
+        Returns:
+            (this host's rank, the rank-0 address).
+
+        Raises:
+            RuntimeError: more than ``world_size`` addresses (at once), or not
+                ``world_size`` settled ones including this host within ``timeout_s``.
+        """
+        mine = socket.gethostbyname(socket.gethostname())
+        started = time.monotonic()
+        found: list[str] = []
+        changed_at = started
+        while True:
+            now = time.monotonic()
+            seen = self._resolve()
+            problem = self.too_many()
+            if problem is not None:
+                raise RuntimeError(problem)
+            if seen != found:
+                found, changed_at = seen, now
+            if len(found) == self.world_size and mine in found and now - changed_at >= self.settle_s:
+                return found.index(mine), found[0]
+            if now - started > self.timeout_s:
+                raise RuntimeError(
+                    f"--peers={self.peers!r} resolved to {found} after {now - started:.0f} s (--peer-timeout); "
+                    f"expected {self.world_size} addresses including this host's {mine}; in Compose, "
+                    "GRADQ_WORKERS sets both the number of workers and --world-size"
+                )
+            time.sleep(0.25)
 
 
 def exit_on_sigterm(status: Callable[[], int]) -> None:
@@ -165,8 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as one rank; exit status 0 when the test accuracy reaches ``--min-accuracy``, 1 below it."""
-    verdict = [_STOPPED_STATUS]  # what a SIGTERM ends the process with
-    exit_on_sigterm(lambda: verdict[0])
     parser = build_parser()
     args = parser.parse_args(argv)
     listed = os.environ.get("GRADQ_AGGREGATORS", "")
@@ -179,10 +209,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
         token = args.token_file.read_text().strip() if args.token_file else None
         security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-        print(f"waiting for {args.world_size} workers behind {args.peers!r}", flush=True)
-        rank, master = discover_rank(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
-    except (ValueError, RuntimeError, OSError) as error:
+    except (ValueError, OSError) as error:
         parser.error(str(error))
+    discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
+    verdict: list[int] = []  # 0 or 1 once this rank has its result
+
+    def stopped_status() -> int:
+        # Stopped by SIGTERM: the verdict if there is one; a surplus worker's configuration error; else 143.
+        problem = discovery.too_many()
+        if problem is not None and not verdict:
+            print(f"gradq worker: error: {problem}", flush=True)
+            return 2
+        return verdict[0] if verdict else _STOPPED_STATUS
+
+    exit_on_sigterm(stopped_status)
+    print(f"waiting for {args.world_size} workers behind {args.peers!r}", flush=True)
+    try:
+        rank, master = discovery.wait()
+    except RuntimeError as error:
+        parser.error(str(error))
+    # Imported only now (torch takes seconds): a misconfigured cluster fails on every worker at once.
+    from gradq.client.training import TrainSpec, train_digits
+
     print(
         f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
         f"aggregator {', '.join(aggregators)}",
@@ -211,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--min-accuracy {args.min_accuracy:.1f}%)",
             flush=True,
         )
-        verdict[0] = 0 if passed else 1
+        verdict.append(0 if passed else 1)
 
     spec = TrainSpec(
         world_size=args.world_size,
@@ -228,5 +276,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         on_trained=report_result,
     )
     train_digits(rank, spec)
-    sys.stdout.flush()
     return verdict[0]

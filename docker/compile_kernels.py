@@ -4,7 +4,9 @@ numba compiles a kernel on its first call and caches the machine code beside
 the kernel's source (``cache=True``), where the image keeps it: a container
 then loads it in well under a second instead of compiling for ~12 s with no
 output. Every scheme and rounding runs once through what the aggregator and
-the workers call: encode, decode, decode-accumulate and error feedback.
+the workers call: encode, decode, decode-accumulate and error feedback, on
+arrays as they arrive off the wire too (read-only views of the message: numba
+compiles separately for those).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 
 import numpy as np
 
+from gradq.proto.convert import tensor_from_proto, tensor_to_proto
+from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import ErrorFeedback, QuantConfig, Rounding, Scheme, decode, decode_accumulate, encode
 
 
@@ -21,11 +25,13 @@ def compile_scheme(scheme: Scheme, rounding: Rounding) -> None:
     values = np.linspace(-1.0, 1.0, 3000, dtype=np.float32)
     config = QuantConfig(scheme=scheme, bits=4, rounding=rounding, seed=0)
     encoded = encode(values, config)
-    decode(encoded)
-    decode(encoded, out=np.empty(values.size, np.float32))
-    accumulator = np.zeros(values.size, np.float32)
-    decode_accumulate(encoded, accumulator)
-    decode_accumulate(encoded, accumulator, divide_by=2)
+    received = tensor_from_proto(pb.QuantizedTensor.FromString(tensor_to_proto(encoded).SerializeToString()))
+    for q in (encoded, received):
+        decode(q)
+        decode(q, out=np.empty(values.size, np.float32))
+        accumulator = np.zeros(values.size, np.float32)
+        decode_accumulate(q, accumulator)
+        decode_accumulate(q, accumulator, divide_by=2)
     feedback = ErrorFeedback()
     for _ in range(2):  # the second call takes the residual path
         feedback.encode(0, values, config)

@@ -34,6 +34,8 @@ RUN python3 -m venv /opt/gradq \
 
 # Final stages copy only the virtual environment (with the kernel cache): no sources, no wheelhouse.
 FROM ${BASE_IMAGE} AS aggregator
+# Lets tests/docker find untagged leftovers of these images (and only these).
+LABEL org.opencontainers.image.vendor=gradq
 COPY --from=aggregator-install /opt/gradq /opt/gradq
 ENV PATH=/opt/gradq/bin:$PATH PYTHONUNBUFFERED=1
 EXPOSE 50051 9100
@@ -41,6 +43,7 @@ HEALTHCHECK --interval=2s --timeout=3s --retries=30 CMD ["python", "-m", "gradq.
 ENTRYPOINT ["gradq", "serve"]
 
 FROM ${BASE_IMAGE} AS worker
+LABEL org.opencontainers.image.vendor=gradq
 COPY --from=worker-install /opt/gradq /opt/gradq
 ENV PATH=/opt/gradq/bin:$PATH PYTHONUNBUFFERED=1
 ENTRYPOINT ["gradq", "worker"]
