@@ -4,7 +4,7 @@ Ranks need no configuration: every worker resolves the peers' DNS name (a
 Compose service resolves to all its replicas), waits until exactly
 ``--world-size`` addresses are there and have stayed so for ``--peer-settle``
 seconds, and takes its place in their sorted order; the lowest address hosts
-the gloo rendezvous. More addresses than ``--world-size`` fail at once.
+the gloo rendezvous. More addresses than ``--world-size`` fail every worker within seconds.
 
 Every flag can also be set by a GRADQ_* environment variable, so a Compose
 override adds settings (``environment`` merges key by key) without repeating
@@ -89,7 +89,7 @@ class PeerDiscovery:
             (this host's rank, the rank-0 address).
 
         Raises:
-            RuntimeError: more than ``world_size`` addresses (at once), or not
+            RuntimeError: more than ``world_size`` addresses (after ``settle_s``), or not
                 ``world_size`` settled ones including this host within ``timeout_s``.
         """
         mine = socket.gethostbyname(socket.gethostname())
@@ -101,6 +101,9 @@ class PeerDiscovery:
             seen = self._resolve()
             problem = self.too_many()
             if problem is not None:
+                # Stay resolvable a while: workers that start later then see the surplus too and fail
+                # alike, rather than waiting for peers that have gone (or being stopped with no verdict).
+                time.sleep(self.settle_s)
                 raise RuntimeError(problem)
             if seen != found:
                 found, changed_at = seen, now

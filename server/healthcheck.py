@@ -67,10 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         help="host:port of the aggregator (default localhost:$GRADQ_PORT, else localhost:50051)",
     )
     parser.add_argument(
-        "--ca", type=Path, default=_path("GRADQ_TLS_CA"), help="PEM CA of the aggregator's certificate: check over TLS"
+        "--ca",
+        type=Path,
+        default=_path("GRADQ_TLS_CA"),
+        help="PEM CA of the aggregator's certificate: check over TLS [env GRADQ_TLS_CA]",
     )
-    parser.add_argument("--cert", type=Path, default=_path("GRADQ_TLS_CLIENT_CERT"), help="PEM client certificate")
-    parser.add_argument("--key", type=Path, default=_path("GRADQ_TLS_CLIENT_KEY"), help="its PEM key")
+    parser.add_argument(
+        "--cert",
+        type=Path,
+        default=_path("GRADQ_TLS_CLIENT_CERT"),
+        help="PEM client certificate, for mutual TLS [env GRADQ_TLS_CLIENT_CERT]",
+    )
+    parser.add_argument(
+        "--key", type=Path, default=_path("GRADQ_TLS_CLIENT_KEY"), help="its PEM key [env GRADQ_TLS_CLIENT_KEY]"
+    )
     args = parser.parse_args(argv)
     serves_tls = os.environ.get("GRADQ_TLS_CERT")
     if args.ca is None and serves_tls:
