@@ -23,6 +23,7 @@ import ipaddress
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -199,7 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train as one rank; exit status 0 when the test accuracy reaches ``--min-accuracy``, 1 below it."""
+    """Train as one rank; exit status 0 at or above ``--min-accuracy``, 1 below it, 2 on bad settings.
+
+    Ends the process itself once it has a status: during Python's own teardown
+    (a second, with torch) SIGTERM has its default action again, and a stop
+    then would turn this rank's verdict into 143.
+    """
+    try:
+        status = _train_one_rank(argv)
+    except SystemExit as stop:  # argparse: --help, or a configuration error
+        status = stop.code if isinstance(stop.code, int) else 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _train_one_rank(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     listed = os.environ.get("GRADQ_AGGREGATORS", "")
