@@ -247,14 +247,16 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         rank, master = discovery.wait()
     except RuntimeError as error:
         parser.error(str(error))
+    print(
+        f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
+        f"aggregator {', '.join(aggregators)}; loading torch",
+        flush=True,
+    )
+    loading = time.monotonic()
     # Imported only now (torch takes seconds): a misconfigured cluster fails on every worker at once.
     from gradq.client.training import TrainSpec, train_digits
 
-    print(
-        f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
-        f"aggregator {', '.join(aggregators)}",
-        flush=True,
-    )
+    print(f"rank {rank}: torch loaded in {time.monotonic() - loading:.1f} s; joining the DDP job", flush=True)
 
     def report_epoch(epoch: int, loss: float, accuracy: float) -> None:
         print(
