@@ -108,7 +108,6 @@ def worker_results(log: str) -> dict[int, tuple[float, int, int, int]]:
 def test_plain_up_trains_prints_every_rank_and_ends_by_itself(
     compose_env: dict[str, str], untagged_after_build: set[str]
 ) -> None:
-    started = time.monotonic()
     completed = compose(compose_env, ("compose.yaml",), "up", "--build", timeout=300)
     log = completed.stdout + completed.stderr
     try:
@@ -129,7 +128,6 @@ def test_plain_up_trains_prints_every_rank_and_ends_by_itself(
             assert not re.search(r"\.nb[ic]$", changed, flags=re.MULTILINE), changed
     finally:
         down(compose_env)
-    print(f"plain up: {time.monotonic() - started:.0f} s")
 
 
 def test_exit_code_from_worker_returns_a_failing_verdict(compose_env: dict[str, str]) -> None:
