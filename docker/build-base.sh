@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the local base image gradq-base:bookworm-slim from Debian's own packages
-# (no registry is reachable here) and a wheelhouse for offline pip installs in
+# (no registry is reachable here), a Prometheus image on it, and a wheelhouse for offline pip installs in
 # containers (their pip cannot verify TLS here). Idempotent. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,21 @@ if ! docker image inspect "$image" >/dev/null 2>&1; then
     rm -rf "$root"
 fi
 echo "base image: $image ($(docker image inspect --format '{{.Size}}' "$image" | awk '{printf "%d MB", $1 / 1e6}'))"
+
+# Prometheus for compose.yaml's `monitoring` profile, from Debian's package (the
+# default build pulls the public prom/prometheus image instead).
+prometheus=gradq-prometheus:bookworm
+if ! docker image inspect "$prometheus" >/dev/null 2>&1; then
+    echo "building $prometheus from Debian's prometheus package"
+    work=$(mktemp -d)
+    (cd "$work" && apt-get download prometheus >/dev/null 2>&1)
+    dpkg -x "$work"/prometheus_*.deb "$work/pkg"
+    cp "$work/pkg/usr/bin/prometheus" "$work/prometheus"
+    printf 'FROM %s\nCOPY prometheus /bin/prometheus\nENTRYPOINT ["/bin/prometheus"]\n' "$image" > "$work/Dockerfile"
+    docker build --quiet --tag "$prometheus" "$work" >/dev/null
+    rm -rf "$work"
+fi
+echo "prometheus image: $prometheus"
 
 # Every wheel the images install, pinned like the tests; the containers install
 # from here with --no-index. Python 3.11 on both sides, so the same wheels fit.

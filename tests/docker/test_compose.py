@@ -7,13 +7,16 @@ elsewhere it skips, saying how to enable it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +57,18 @@ def compose(
 
 
 def down(env: dict[str, str]) -> None:
-    compose(env, ALL_FILES, "down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=120)
+    compose(
+        env,
+        ALL_FILES,
+        "--profile",
+        "monitoring",
+        "down",
+        "--volumes",
+        "--remove-orphans",
+        "--timeout",
+        "5",
+        timeout=120,
+    )
 
 
 def untagged_gradq_images() -> set[str]:
@@ -80,12 +94,14 @@ def compose_env() -> Iterator[dict[str, str]]:
         # Free host ports: another cluster on this machine may hold the documented 9100 and 9101.
         "GRADQ_METRICS_HOST_PORT": str(free_port()),
         "GRADQ_METRICS_HOST_PORT_2": str(free_port()),
+        "GRADQ_PROMETHEUS_HOST_PORT": str(free_port()),
     }
     if subprocess.run(["docker", "image", "inspect", "gradq-base:bookworm-slim"], capture_output=True).returncode == 0:
         # The offline set-up of docker/build-base.sh: local base image, local wheels.
         env |= {
             "GRADQ_BASE_IMAGE": "gradq-base:bookworm-slim",
             "GRADQ_PIP_OPTIONS": "--no-index --find-links /wheelhouse",
+            "GRADQ_PROMETHEUS_IMAGE": "gradq-prometheus:bookworm",
         }
     subprocess.run(["bash", "docker/make-certs.sh"], cwd=REPO, check=True, capture_output=True)
     built = compose(env, ALL_FILES, "build", timeout=1200)
@@ -151,11 +167,19 @@ def scrape(port: int) -> dict[str, float]:
     return series
 
 
+def prometheus_sum(port: int, series: str) -> float | None:
+    """The sum of ``series`` for the cluster's job as Prometheus has scraped it (None before any scrape)."""
+    query = urllib.parse.urlencode({"query": f'sum({series}{{job="compose-digits"}})'})
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=10) as response:
+        result = json.load(response)["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
 def test_tls_and_shards_combined_both_serve_and_metrics_match_the_workers(compose_env: dict[str, str]) -> None:
     env = compose_env | {"GRADQ_EPOCHS": "5", "GRADQ_MIN_ACCURACY": "80", "GRADQ_EXIT_AFTER_JOBS": "0"}
     files = ("compose.yaml", "compose.tls.yaml", "compose.shards.yaml")  # TLS first: the order that used to fail
     try:
-        started = compose(env, files, "up", "--build", "--detach", timeout=300)
+        started = compose(env, files, "--profile", "monitoring", "up", "--build", "--detach", timeout=300)
         assert started.returncode == 0, (started.stdout + started.stderr)[-3000:]
         workers = compose(env, files, "ps", "--all", "--quiet", "worker").stdout.split()
         assert len(workers) == 3
@@ -177,6 +201,16 @@ def test_tls_and_shards_combined_both_serve_and_metrics_match_the_workers(compos
             assert shard["gradq_contributions_total"] == 3 * steps, shards
         assert sum(s["gradq_contributions_total"] for s in shards) == sum(r[2] for r in results.values())
         assert sum(s["gradq_received_bytes_total"] for s in shards) == sum(r[3] for r in results.values())
+
+        # The monitoring profile's Prometheus scrapes both shards to the same total.
+        pushes = sum(r[2] for r in results.values())
+        deadline = time.monotonic() + 60
+        scraped = None
+        while scraped != pushes and time.monotonic() < deadline:
+            time.sleep(1)
+            with contextlib.suppress(OSError):
+                scraped = prometheus_sum(int(env["GRADQ_PROMETHEUS_HOST_PORT"]), "gradq_contributions_total")
+        assert scraped == pushes
     finally:
         aggregator_log = compose(env, files, "logs", "--no-color", "aggregator", "aggregator-2").stdout
         down(env)
