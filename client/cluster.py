@@ -1,118 +1,300 @@
 """`gradq worker`: one training rank in a multi-host cluster (the Compose workers).
 
 Ranks need no configuration: every worker resolves the peers' DNS name (a
-Compose service resolves to all its replicas), waits until all ``--world-size``
-addresses are there, and takes its place in their sorted order; the lowest
-address hosts the gloo rendezvous.
+Compose service resolves to all its replicas), waits until exactly
+``--world-size`` addresses are there and have stayed so for ``--peer-settle``
+seconds, and takes its place in their sorted order; the lowest address hosts
+the gloo rendezvous. More addresses than ``--world-size`` fail every worker within seconds.
+
+Every flag can also be set by a GRADQ_* environment variable, so a Compose
+override adds settings (``environment`` merges key by key) without repeating
+the command (``command`` is replaced whole).
+
+A worker leaves on SIGTERM at once, even from inside a blocking collective,
+with its verdict's exit status when it has one (``docker compose up
+--exit-code-from worker`` stops the other workers when the first one ends and
+reports the status of the last to stop), else 143.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
+import signal
 import socket
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.security import ChannelSecurity
-from gradq.client.training import TrainSpec, train_digits
 from gradq.qcore import QuantConfig, Scheme
 
-__all__ = ["main", "discover_rank"]
+if TYPE_CHECKING:
+    from gradq.client.training import TrainResult
+
+__all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
+
+# The exit status of a worker stopped by SIGTERM before it has a verdict (128 + SIGTERM, as a shell reports it).
+_STOPPED_STATUS = 128 + signal.SIGTERM
 
 
-def discover_rank(peers: str, world_size: int, timeout_s: float) -> tuple[int, str]:
-    """(this host's rank, the rank-0 address) from the addresses ``peers`` resolves to.
+class PeerDiscovery:
+    """This host's rank among the addresses a DNS name (``peers``) resolves to.
 
-    Raises:
-        RuntimeError: fewer than ``world_size`` peers appeared within ``timeout_s``,
-            or this host is not among them.
+    Args:
+        peers: DNS name of every worker (a Compose service name).
+        world_size: how many workers the job has.
+        timeout_s: how long ``wait`` waits for them.
+        settle_s: how long the addresses must stay unchanged before ranks are
+            taken, so that replicas starting a moment apart agree on them.
     """
-    mine = socket.gethostbyname(socket.gethostname())
-    deadline = time.monotonic() + timeout_s
-    found: list[str] = []
-    while time.monotonic() < deadline:
+
+    def __init__(self, peers: str, world_size: int, timeout_s: float, settle_s: float) -> None:
+        self.peers = peers
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.settle_s = settle_s
+        # The most addresses seen so far: a worker stopped while it waits still knows it was one too many.
+        self.most_seen: list[str] = []
+
+    def _resolve(self) -> list[str]:
         try:
-            found = sorted(
-                {str(info[4][0]) for info in socket.getaddrinfo(peers, None, socket.AF_INET)}, key=ipaddress.ip_address
-            )
+            infos = socket.getaddrinfo(self.peers, None, socket.AF_INET)
         except socket.gaierror:
-            found = []
-        if len(found) >= world_size:
-            break
-        time.sleep(0.5)
-    if len(found) != world_size or mine not in found:
-        raise RuntimeError(
-            f"--peers={peers!r} resolved to {found} after {timeout_s:g} s; expected {world_size} addresses "
-            f"including this host's {mine}"
+            return []
+        found = sorted({str(info[4][0]) for info in infos}, key=ipaddress.ip_address)
+        if len(found) > len(self.most_seen):
+            self.most_seen = found
+        return found
+
+    def too_many(self) -> str | None:
+        """The error message if more than ``world_size`` workers were ever seen, else None."""
+        if len(self.most_seen) <= self.world_size:
+            return None
+        count = len(self.most_seen)
+        return (
+            f"--peers={self.peers!r} resolves to {count} workers {self.most_seen}, but --world-size="
+            f"{self.world_size}; in Compose both come from GRADQ_WORKERS: run `GRADQ_WORKERS={count} docker "
+            f"compose up` instead of `--scale worker={count}`"
         )
-    return found.index(mine), found[0]
+
+    def wait(self) -> tuple[int, str]:
+        """Block until exactly ``world_size`` settled addresses include this host's.
+
+        Returns:
+            (this host's rank, the rank-0 address).
+
+        Raises:
+            RuntimeError: more than ``world_size`` addresses (after ``settle_s``), or not
+                ``world_size`` settled ones including this host within ``timeout_s``.
+        """
+        mine = socket.gethostbyname(socket.gethostname())
+        started = time.monotonic()
+        found: list[str] = []
+        changed_at = started
+        while True:
+            now = time.monotonic()
+            seen = self._resolve()
+            problem = self.too_many()
+            if problem is not None:
+                # Stay resolvable a while: workers that start later then see the surplus too and fail
+                # alike, rather than waiting for peers that have gone (or being stopped with no verdict).
+                time.sleep(self.settle_s)
+                raise RuntimeError(problem)
+            if seen != found:
+                found, changed_at = seen, now
+            if len(found) == self.world_size and mine in found and now - changed_at >= self.settle_s:
+                return found.index(mine), found[0]
+            if now - started > self.timeout_s:
+                raise RuntimeError(
+                    f"--peers={self.peers!r} resolved to {found} after {now - started:.0f} s (--peer-timeout); "
+                    f"expected {self.world_size} addresses including this host's {mine}; in Compose, "
+                    "GRADQ_WORKERS sets both the number of workers and --world-size"
+                )
+            time.sleep(0.25)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Train as one rank; exit status 0 when the test accuracy reaches ``--min-accuracy``."""
+def exit_on_sigterm(status: Callable[[], int]) -> None:
+    """On SIGTERM, print why and end the process with ``status()``, whatever the main thread is doing.
+
+    A Python signal handler runs only when the main thread is back in the
+    interpreter, which a gloo collective waiting for a dead peer never is; the
+    wakeup fd is written by the C-level handler at once, and a thread acts on it.
+    Call from the main thread.
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: None)  # the wakeup fd below does the work
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read_end, 16):
+            pass
+        code = status()
+        print(f"received SIGTERM: exiting with status {code}", flush=True)
+        os._exit(code)
+
+    threading.Thread(target=watch, name="gradq-sigterm", daemon=True).start()
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables."""
     parser = argparse.ArgumentParser(
         prog="gradq worker",
-        description="Train the digits MLP as one DDP rank through a gradq aggregator (one process per host).",
+        description="Train the digits MLP as one DDP rank through a gradq aggregator (one process per host). "
+        "Every flag can also be set by the environment variable shown; flags win.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--aggregator", action="append", required=True, help="host:port of a shard (repeatable)")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks in the job")
-    parser.add_argument("--peers", required=True, help="DNS name resolving to every worker's address")
-    parser.add_argument("--master-port", type=int, default=29500, help="gloo rendezvous port on rank 0")
-    parser.add_argument("--peer-timeout", type=float, default=120.0, help="seconds to wait for all peers")
-    parser.add_argument("--bits", type=int, default=4, help="bits per gradient element, 1..8")
-    parser.add_argument("--scheme", default="per_channel_affine", help="quantization scheme")
+
+    def option(flag: str, env: str, help_text: str, default: str | None = None, kind: Any = str) -> None:
+        # argparse converts a string default with ``type``, so the environment's text is checked like a flag's.
+        parser.add_argument(flag, type=kind, default=os.environ.get(env) or default, help=f"{help_text} [env {env}]")
+
+    parser.add_argument(
+        "--aggregator",
+        action="append",
+        help="host:port of a shard (repeatable) [env GRADQ_AGGREGATORS: comma-separated, in shard order]",
+    )
+    option("--world-size", "GRADQ_WORLD_SIZE", "ranks in the job", kind=int)
+    option("--peers", "GRADQ_PEERS", "DNS name resolving to every worker's address", "worker")
+    option("--master-port", "GRADQ_MASTER_PORT", "gloo rendezvous port on rank 0", "29500", int)
+    option("--peer-timeout", "GRADQ_PEER_TIMEOUT", "seconds to wait for all peers", "60", float)
+    option("--peer-settle", "GRADQ_PEER_SETTLE", "seconds the peer addresses must stay unchanged", "3", float)
+    option("--bits", "GRADQ_BITS", "bits per gradient element, 1..8", "4", int)
+    option("--scheme", "GRADQ_SCHEME", "quantization scheme", "per_channel_affine")
     parser.add_argument(
         "--error-feedback",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="carry quantization error into the next step",
+        default=_env_flag("GRADQ_ERROR_FEEDBACK", True),
+        help="carry quantization error into the next step [env GRADQ_ERROR_FEEDBACK]",
     )
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the training split")
-    parser.add_argument("--min-accuracy", type=float, default=90.0, help="exit 0 only at or above this accuracy")
-    parser.add_argument("--job-id", default="compose-digits", help="aggregator job shared by all ranks")
-    parser.add_argument("--tls-ca", type=Path, help="PEM CA of the aggregator's certificate: talk TLS")
-    parser.add_argument("--tls-cert", type=Path, help="this worker's PEM certificate, for mutual TLS")
-    parser.add_argument("--tls-key", type=Path, help="its PEM key")
-    parser.add_argument("--token-file", type=Path, help="file holding the bearer token to send")
+    option(
+        "--chunk-elements",
+        "GRADQ_CHUNK_ELEMENTS",
+        "largest round a bucket is cut into",
+        str(DEFAULT_CHUNK_ELEMENTS),
+        int,
+    )
+    option("--epochs", "GRADQ_EPOCHS", "passes over the training split", "20", int)
+    option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", "90", float)
+    option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks", "compose-digits")
+    option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS", kind=Path)
+    option("--tls-cert", "GRADQ_TLS_CLIENT_CERT", "this worker's PEM certificate, for mutual TLS", kind=Path)
+    option("--tls-key", "GRADQ_TLS_CLIENT_KEY", "its PEM key", kind=Path)
+    option("--token-file", "GRADQ_TOKEN_FILE", "file holding the bearer token to send", kind=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train as one rank; exit status 0 at or above ``--min-accuracy``, 1 below it, 2 on bad settings.
+
+    Ends the process itself once it has a status: during Python's own teardown
+    (a second, with torch) SIGTERM has its default action again, and a stop
+    then would turn this rank's verdict into 143.
+    """
+    try:
+        status = _train_one_rank(argv)
+    except SystemExit as stop:  # argparse: --help, or a configuration error
+        status = stop.code if isinstance(stop.code, int) else 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _train_one_rank(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    listed = os.environ.get("GRADQ_AGGREGATORS", "")
+    aggregators = args.aggregator or [address.strip() for address in listed.split(",") if address.strip()]
+    if not aggregators:
+        parser.error("no aggregator: give --aggregator host:port (repeatable) or GRADQ_AGGREGATORS=host:port,...")
+    if args.world_size is None or args.world_size < 1:
+        parser.error(f"--world-size={args.world_size} is invalid; expected >= 1 (or set GRADQ_WORLD_SIZE)")
     try:
         config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
         token = args.token_file.read_text().strip() if args.token_file else None
         security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-        rank, master = discover_rank(args.peers, args.world_size, args.peer_timeout)
-    except (ValueError, RuntimeError, OSError) as error:
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
+    verdict: list[int] = []  # 0 or 1 once this rank has its result
+
+    def stopped_status() -> int:
+        # Stopped by SIGTERM: the verdict if there is one; a surplus worker's configuration error; else 143.
+        problem = discovery.too_many()
+        if problem is not None and not verdict:
+            print(f"gradq worker: error: {problem}", flush=True)
+            return 2
+        return verdict[0] if verdict else _STOPPED_STATUS
+
+    exit_on_sigterm(stopped_status)
+    print(f"waiting for {args.world_size} workers behind {args.peers!r}", flush=True)
+    try:
+        rank, master = discovery.wait()
+    except RuntimeError as error:
         parser.error(str(error))
     print(
         f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
-        f"aggregator {', '.join(args.aggregator)}",
+        f"aggregator {', '.join(aggregators)}; loading torch",
         flush=True,
     )
+    loading = time.monotonic()
+    # Imported only now (torch takes seconds): a misconfigured cluster fails on every worker at once.
+    from gradq.client.training import TrainSpec, train_digits
+
+    print(f"rank {rank}: torch loaded in {time.monotonic() - loading:.1f} s; joining the DDP job", flush=True)
+
+    def report_epoch(epoch: int, loss: float, accuracy: float) -> None:
+        print(
+            f"rank {rank}: epoch {epoch:>3}/{args.epochs}  loss {loss:.4f}  test accuracy {accuracy:5.1f}%", flush=True
+        )
+
+    def report_result(result: TrainResult) -> None:
+        # Printed before this rank leaves the aggregator: the aggregator may exit on the last
+        # Leave, and `--exit-code-from` then stops every worker.
+        passed = result.accuracy >= args.min_accuracy
+        pushes = result.stats.pushes if result.stats is not None else 0
+        print(
+            f"rank {rank}: accuracy {result.accuracy:.1f}% after {result.steps} steps, "
+            f"{result.bytes_sent / max(result.steps, 1):,.0f} bytes sent per step "
+            f"({result.bytes_sent / max(result.fp32_bytes, 1):.3f}x fp32), mode {result.mode}; "
+            f"{pushes} pushes, {result.bytes_sent} bytes in all",
+            flush=True,
+        )
+        print(
+            f"rank {rank}: verdict: {'PASS' if passed else 'FAIL'} (accuracy {result.accuracy:.1f}% vs "
+            f"--min-accuracy {args.min_accuracy:.1f}%)",
+            flush=True,
+        )
+        verdict.append(0 if passed else 1)
+
     spec = TrainSpec(
         world_size=args.world_size,
         init_method=f"tcp://{master}:{args.master_port}",
-        aggregators=tuple(args.aggregator),
+        aggregators=tuple(aggregators),
         config=config,
         error_feedback=args.error_feedback,
         epochs=args.epochs,
-        progress=True,
         job_id=args.job_id,
         connect_timeout_s=60.0,
         security=security,
+        chunk_elements=args.chunk_elements,
+        on_epoch=report_epoch,
+        on_trained=report_result,
     )
-    result = train_digits(rank, spec)
-    passed = result.accuracy >= args.min_accuracy
-    print(
-        f"rank {rank}: accuracy {result.accuracy:.1f}% after {result.steps} steps, "
-        f"{result.bytes_sent / max(result.steps, 1):,.0f} bytes sent per step "
-        f"({result.bytes_sent / max(result.fp32_bytes, 1):.3f}x fp32), mode {result.mode}",
-        flush=True,
-    )
-    print(
-        f"verdict: {'PASS' if passed else 'FAIL'} (accuracy {result.accuracy:.1f}% vs --min-accuracy "
-        f"{args.min_accuracy:.1f}%)",
-        flush=True,
-    )
-    return 0 if passed else 1
+    train_digits(rank, spec)
+    return verdict[0]

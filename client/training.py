@@ -7,6 +7,7 @@ demo shows. Each rank is a spawned process; rank 0 reports.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp_hook import GradqHookState, gradq_hook
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
@@ -43,6 +45,13 @@ class TrainSpec:
         job_id: the aggregator job; empty derives one from the rendezvous, the
             same on every rank.
         security: TLS / token for the aggregator channels.
+        chunk_elements: largest round a bucket is cut into (the hook's); with
+            several shards, smaller chunks spread a small model over them.
+        on_epoch: called on every rank after each epoch with (epoch, mean
+            loss, test accuracy in percent), e.g. to print each rank's progress.
+        on_trained: called with the result once training is done, before the
+            rank leaves the aggregator (which may then shut down): a rank can
+            report its verdict before anyone is told to stop.
     """
 
     world_size: int
@@ -62,6 +71,9 @@ class TrainSpec:
     progress: bool = False
     job_id: str = ""
     security: ChannelSecurity | None = None
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    on_epoch: Callable[[int, float, float], None] | None = None
+    on_trained: Callable[[TrainResult], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +129,7 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 job_id=spec.job_id or f"digits-{spec.init_method}",
                 connect_timeout_s=spec.connect_timeout_s,
                 security=spec.security,
+                chunk_elements=spec.chunk_elements,
             )
             model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate, momentum=0.9)
@@ -145,11 +158,13 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                     f"  epoch {epoch + 1:>3}/{spec.epochs}  loss {losses[-1]:.4f}  test accuracy {accuracy:5.1f}%",
                     flush=True,
                 )
+            if spec.on_epoch is not None:
+                spec.on_epoch(epoch + 1, losses[-1], _accuracy(model, x_test, y_test, device, dtype))
         elapsed = time.perf_counter() - started
         numel = sum(p.numel() for p in model.parameters())
         client = state.client if state is not None else None
         dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
-        return TrainResult(
+        result = TrainResult(
             rank=rank,
             accuracy=_accuracy(model, x_test, y_test, device, dtype),
             first_loss=losses[0],
@@ -162,6 +177,9 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
             mode=(state.mode or "gradq") if state is not None else "allreduce",
             stats=state.stats() if state is not None else None,
         )
+        if spec.on_trained is not None:
+            spec.on_trained(result)
+        return result
     finally:
         if state is not None:
             state.close()

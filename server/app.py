@@ -85,6 +85,8 @@ class ServerOptions:
         tokens: require a bearer token on every call but health and reflection.
         metrics_port: serve Prometheus metrics over HTTP on this port (0 picks
             one; None serves none).
+        exit_after_jobs: stop by itself once this many jobs have finished (every
+            rank of each has left); 0 serves until stopped.
     """
 
     address: str = "0.0.0.0:50051"
@@ -94,12 +96,17 @@ class ServerOptions:
     tls: TlsFiles | None = None
     tokens: TokenTable | None = None
     metrics_port: int | None = None
+    exit_after_jobs: int = 0
 
 
 class AggregatorServer:
     """One aggregator process: start(), wait(), stop(); `port` is the bound port."""
 
     def __init__(self, policy: RoundPolicy, options: ServerOptions, limits: ServiceLimits | None = None) -> None:
+        if options.exit_after_jobs < 0:
+            raise ValueError(
+                f"exit_after_jobs={options.exit_after_jobs} is invalid; expected 0 (serve until stopped) or >= 1"
+            )
         self.policy = policy
         self.options = options
         self.limits = limits or ServiceLimits()
@@ -107,7 +114,15 @@ class AggregatorServer:
             raise ValueError(f"max_workers={options.max_workers} is invalid; expected > {_RESERVED_WORKERS}")
         self.metrics = RoundMetrics() if options.metrics_port is not None else None
         self.metrics_port: int | None = None
-        self.table = RoundTable(policy, package=package_result, observer=self.metrics, limits=self.limits)
+        self._jobs_finished = 0
+        self._jobs_finished_lock = threading.Lock()  # not _stop_lock: a stop holds that while Leaves finish
+        self.table = RoundTable(
+            policy,
+            package=package_result,
+            observer=self.metrics,
+            limits=self.limits,
+            job_finished=self._count_finished_job,
+        )
         self.health = health.HealthServicer()
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
         transport = channel_options(options.max_message_bytes)
@@ -208,6 +223,17 @@ class AggregatorServer:
         self._server.stop(_ANSWER_GRACE_S).wait()
         self._stopped.set()
         log.info("stopped")
+
+    def _count_finished_job(self, job_id: str) -> None:
+        """Stop once ``exit_after_jobs`` jobs have finished (called by the table, on a handler thread)."""
+        with self._jobs_finished_lock:
+            self._jobs_finished += 1
+            finished = self._jobs_finished
+        log.info("job %r finished: every rank left (%d job(s) finished)", job_id, finished)
+        if self.options.exit_after_jobs and finished == self.options.exit_after_jobs:
+            log.info("stopping: --exit-after-jobs=%d reached", self.options.exit_after_jobs)
+            # Not on this thread: stop() waits for handlers, this Leave among them.
+            threading.Thread(target=self.stop, name="gradq-stop", daemon=True).start()
 
     def wait(self) -> None:
         """Block until stop() has finished."""

@@ -173,6 +173,14 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
     ),
     ("--grace", "GRADQ_GRACE", float, _SERVER.grace_s, "seconds rounds in flight get to finish after SIGTERM"),
+    (
+        "--exit-after-jobs",
+        "GRADQ_EXIT_AFTER_JOBS",
+        int,
+        _SERVER.exit_after_jobs,
+        "stop gracefully and exit 0 once N jobs have finished (every rank of each has left, e.g. a Compose "
+        "cluster's one job); 0 serves until SIGTERM",
+    ),
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--log-format", "GRADQ_LOG_FORMAT", str, "text", "'text' or 'json' (one JSON object per line, for log shippers)"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
@@ -278,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls=_tls_files(args),
             tokens=TokenTable.from_file(args.token_file) if args.token_file else None,
             metrics_port=args.metrics_port,
+            exit_after_jobs=args.exit_after_jobs,
         )
         limits = ServiceLimits(
             max_steps_ahead=args.max_steps_ahead,

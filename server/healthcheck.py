@@ -1,12 +1,17 @@
 """`python -m gradq.server.healthcheck [host:port] [--ca PEM]`: exit 0 when the aggregator reports SERVING.
 
-For container health probes; asks the standard gRPC health service, over TLS
-when given the CA that signed the aggregator's certificate (no token needed).
+For container health probes: asks the standard gRPC health service (no token
+needed). Inside the aggregator's container it needs no arguments: it reads the
+same environment as `gradq serve`, GRADQ_PORT for the port and, when
+GRADQ_TLS_CERT says the aggregator serves TLS, GRADQ_TLS_CA for the CA that
+signed that certificate (GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY for a
+client certificate under mutual TLS).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -16,12 +21,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 __all__ = ["is_serving", "main"]
 
 
-def is_serving(address: str, timeout_s: float = 2.0, ca: bytes | None = None) -> bool:
-    """True when ``address`` answers the health check with SERVING within ``timeout_s``."""
+def is_serving(
+    address: str,
+    timeout_s: float = 2.0,
+    ca: bytes | None = None,
+    certificate_chain: bytes | None = None,
+    private_key: bytes | None = None,
+) -> bool:
+    """True when ``address`` answers the health check with SERVING within ``timeout_s``.
+
+    Args:
+        address: host:port of the aggregator.
+        timeout_s: deadline of the check.
+        ca: PEM CA of the aggregator's certificate: check over TLS; None checks plaintext.
+        certificate_chain, private_key: PEM client certificate and key, for mutual TLS.
+    """
     if ca is None:
         channel = grpc.insecure_channel(address)
     else:
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca))
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, private_key, certificate_chain))
     with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
@@ -30,14 +48,52 @@ def is_serving(address: str, timeout_s: float = 2.0, ca: bytes | None = None) ->
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _path(env: str) -> Path | None:
+    value = os.environ.get(env)
+    return Path(value) if value else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Check the address (default ``localhost:50051``); exit status 0 if serving, 1 if not."""
-    parser = argparse.ArgumentParser(prog="python -m gradq.server.healthcheck", description=__doc__)
-    parser.add_argument("address", nargs="?", default="localhost:50051", help="host:port of the aggregator")
-    parser.add_argument("--ca", type=Path, help="PEM CA of the aggregator's certificate: check over TLS")
+    """Check the address; exit status 0 if serving, 1 if not, 2 if the TLS settings are incomplete."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gradq.server.healthcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "address",
+        nargs="?",
+        default=f"localhost:{os.environ.get('GRADQ_PORT') or 50051}",
+        help="host:port of the aggregator (default localhost:$GRADQ_PORT, else localhost:50051)",
+    )
+    parser.add_argument(
+        "--ca",
+        type=Path,
+        default=_path("GRADQ_TLS_CA"),
+        help="PEM CA of the aggregator's certificate: check over TLS [env GRADQ_TLS_CA]",
+    )
+    parser.add_argument(
+        "--cert",
+        type=Path,
+        default=_path("GRADQ_TLS_CLIENT_CERT"),
+        help="PEM client certificate, for mutual TLS [env GRADQ_TLS_CLIENT_CERT]",
+    )
+    parser.add_argument(
+        "--key", type=Path, default=_path("GRADQ_TLS_CLIENT_KEY"), help="its PEM key [env GRADQ_TLS_CLIENT_KEY]"
+    )
     args = parser.parse_args(argv)
-    serving = is_serving(args.address, ca=args.ca.read_bytes() if args.ca else None)
-    print(f"{args.address}: {'SERVING' if serving else 'not serving'}")
+    serves_tls = os.environ.get("GRADQ_TLS_CERT")
+    if args.ca is None and serves_tls:
+        parser.error(
+            f"GRADQ_TLS_CERT={serves_tls} says the aggregator serves TLS, but no CA is given; expected --ca PEM "
+            "or GRADQ_TLS_CA=PEM, the CA that signed that certificate"
+        )
+    try:
+        ca, cert, key = (path.read_bytes() if path else None for path in (args.ca, args.cert, args.key))
+    except OSError as error:
+        parser.error(str(error))
+    serving = is_serving(args.address, ca=ca, certificate_chain=cert, private_key=key)
+    print(f"{args.address}: {'SERVING' if serving else 'not serving'}{' (TLS)' if ca else ''}")
     return 0 if serving else 1
 
 

@@ -56,6 +56,8 @@ class RoundTable:
             per round (stored as ``RoundResult.packaged``).
         observer: told about every finished round (metrics).
         limits: step window, caps and the memory budget.
+        job_finished: called with a job's id once its last joined rank has left
+            (``gradq serve --exit-after-jobs`` counts these).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class RoundTable:
         package: Callable[[RoundResult], object] | None = None,
         observer: RoundObserver | None = None,
         limits: ServiceLimits | None = None,
+        job_finished: Callable[[str], None] | None = None,
     ) -> None:
         self.policy = policy
         self.limits = limits or ServiceLimits()
@@ -73,6 +76,7 @@ class RoundTable:
         self.budget = MemoryBudget(self.limits.max_memory_bytes)
         self._closer = RoundCloser(policy, self.jobs, self.budget, package, observer)
         self.counters = self._closer.counters
+        self._job_finished = job_finished
 
     # -- membership -------------------------------------------------------------------------
 
@@ -99,6 +103,8 @@ class RoundTable:
         """
         job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
         self._retire(retired)
+        if job is not None and retired and self._job_finished is not None:
+            self._job_finished(job_id)  # its last rank left: the job is done
         if job is None or retired:
             return
         with self.jobs.lock:
