@@ -48,8 +48,8 @@ from convergence_tasks import TASKS, Task  # noqa: E402
 from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook  # noqa: E402
-from gradq.client.demo import free_port, local_aggregator  # noqa: E402
+from gradq.client.apps.demo import free_port, local_aggregator  # noqa: E402
+from gradq.client.ddp import GradqHookState, gradq_hook  # noqa: E402
 from gradq.qcore import DEFAULT_CHANNEL_SIZE, QuantConfig, Rounding, Scheme  # noqa: E402
 
 SEED = 0

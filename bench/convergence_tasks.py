@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradq.client.training import load_digits_split
+from gradq.client.apps.training import load_digits_split
 
 __all__ = ["Task", "TASKS", "CharTransformer"]
 

@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
-from gradq.client.demo import free_port
+from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import QuantConfig, Rounding, Scheme, decode, encode
 from gradq.qcore.torch_codec import crossings, decode_tensor, encode_tensor
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 
 def check_bytes(device: str, numel: int) -> bool:

@@ -71,9 +71,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from gradq.client.allgather_hooks import allgather_perchannel_hook  # noqa: E402
-from gradq.client.ddp_hook import GradqHookState, gradq_hook  # noqa: E402
-from gradq.client.demo import free_port, local_aggregator  # noqa: E402
+from gradq.client.apps.demo import free_port, local_aggregator  # noqa: E402
+from gradq.client.ddp import GradqHookState, gradq_hook  # noqa: E402
+from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook  # noqa: E402
 from gradq.qcore import METADATA_BYTES, QuantConfig, Scheme, wire_size  # noqa: E402
 
 LAYERS = (784, 2048, 2048, 10)

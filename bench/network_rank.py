@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [

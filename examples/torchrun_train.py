@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
 
 
 def teacher_data(samples: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:

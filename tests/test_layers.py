@@ -1,4 +1,4 @@
-"""Imports point one way: qcore <- server, qcore <- client <- DDP adapter (checked in fresh interpreters)."""
+"""Imports point one way: qcore <- server, qcore <- client <- its DDP adapter <- applications (fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ CASES = [
     ("gradq.server", ("torch", "gradq.client")),
     ("gradq.server.process", ("torch", "gradq.client")),
     ("gradq.server.app", ("torch", "gradq.client")),
-    ("gradq.client", ("torch", "gradq.server")),
+    ("gradq.client", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
+    ("gradq.client.worker", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
+    ("gradq.client.ddp", ("gradq.server", "gradq.client.apps")),
     ("gradq.cli", ("torch", "grpc", "numpy")),
 ]
 

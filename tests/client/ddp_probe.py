@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.allgather_hooks import allgather_perchannel_hook, allgather_pertensor_hook
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
+from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allgather_pertensor_hook
 
 
 class Probe(nn.Module):

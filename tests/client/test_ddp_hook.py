@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
-from gradq.client.ddp_hook import GradqHookState
-from gradq.client.demo import free_port
+from gradq.client.ddp import GradqHookState
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "qcore"))
 import ddp_probe

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from gradq.client.demo import free_port, run_job
-from gradq.client.training import TrainResult, TrainSpec
+from gradq.client.apps.demo import free_port, run_job
+from gradq.client.apps.training import TrainResult, TrainSpec
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy

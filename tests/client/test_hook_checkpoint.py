@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy

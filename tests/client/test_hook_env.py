@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gradq.client.ddp_hook import GradqHookState
-from gradq.client.hook_env import hook_arguments_from_env
+from gradq.client.ddp import GradqHookState
+from gradq.client.ddp.env import hook_arguments_from_env
 from gradq.qcore import QuantConfig, Scheme
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.client.worker import AggregationError
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
@@ -128,7 +128,7 @@ EXITING_SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
     from torch import nn
-    from gradq.client.ddp_hook import GradqHookState, gradq_hook
+    from gradq.client.ddp import GradqHookState, gradq_hook
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 4))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gradq.client import AggregationError, WorkerClient
-from gradq.client.ddp_hook import GradqHookState
+from gradq.client.ddp import GradqHookState
 from gradq.client.window import ShardWindow
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gradq.client import WorkerClient
-from gradq.client.demo import spawn_aggregator
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.healthcheck import is_serving
+from gradq.server.process import spawn_aggregator
 
 CONFIG = QuantConfig(scheme=Scheme.FLOAT32)
 

@@ -35,7 +35,7 @@ from gradq.client.security import ChannelSecurity
 from gradq.qcore import QuantConfig, Scheme
 
 if TYPE_CHECKING:
-    from gradq.client.training import TrainResult
+    from gradq.client.apps.training import TrainResult
 
 __all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
 
@@ -254,7 +254,7 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
     )
     loading = time.monotonic()
     # Imported only now (torch takes seconds): a misconfigured cluster fails on every worker at once.
-    from gradq.client.training import TrainSpec, train_digits
+    from gradq.client.apps.training import TrainSpec, train_digits
 
     print(f"rank {rank}: torch loaded in {time.monotonic() - loading:.1f} s; joining the DDP job", flush=True)
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch.multiprocessing as mp
 
-from gradq.client.training import TrainResult, TrainSpec, train_digits
+from gradq.client.apps.training import TrainResult, TrainSpec, train_digits
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.process import free_port, spawn_aggregator
 

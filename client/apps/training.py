@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
-from gradq.client.ddp_hook import GradqHookState, gradq_hook
+from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
 from gradq.qcore import QuantConfig

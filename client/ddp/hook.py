@@ -15,15 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradq.client.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
-from gradq.client.hook_checkpoint import BucketResiduals, checkpoint_of, resume_from
-from gradq.client.hook_env import hook_arguments_from_env
-from gradq.client.hook_errors import BackwardFailures
-from gradq.client.hook_lifecycle import Membership, draw_run_names
+from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
+from gradq.client.ddp.checkpoint import BucketResiduals, checkpoint_of, resume_from
+from gradq.client.ddp.env import hook_arguments_from_env
+from gradq.client.ddp.errors import BackwardFailures
+from gradq.client.ddp.lifecycle import Membership, draw_run_names
+from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
-from gradq.client.torch_codec import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.window import check_max_in_flight
 from gradq.client.worker import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig
@@ -160,7 +160,7 @@ class GradqHookState:
 
         Args:
             environ: the variables (None: ``os.environ``); see
-                gradq.client.hook_env.HOOK_ENVIRONMENT for their names.
+                gradq.client.ddp.env.HOOK_ENVIRONMENT for their names.
             overrides: constructor arguments that win over the variables
                 (e.g. ``fallback="allreduce"``).
 
@@ -190,7 +190,7 @@ class GradqHookState:
             ``step`` (the next round's step), ``config`` (the push grid as plain
             values), ``error_feedback``, and ``residuals``: each bucket's residual
             as a flat float32 CPU tensor, keyed by the bucket's parameters'
-            dtypes and shapes (see gradq.client.hook_checkpoint), so a resume
+            dtypes and shapes (see gradq.client.ddp.checkpoint), so a resume
             on another device or after DDP's bucket rebuild still matches.
         """
         return checkpoint_of(self)
@@ -323,7 +323,7 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         A future DDP waits on, completed by the gRPC callback with the mean
         bucket (same shape, dtype and device as ``bucket.buffer()``). A failed
         round makes ``backward()`` raise its AggregationError (see
-        gradq.client.hook_errors).
+        gradq.client.ddp.errors).
     """
     if state._closed:
         raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")

@@ -5,7 +5,7 @@ byte-identical to numpy); here the hook's choice becomes the bucket it pushes,
 the buffer its mean is decoded into, and the stream the sender thread works on.
 """
 
-# No `from __future__ import annotations`: ddp_hook is imported by DDP, which reads real types.
+# No `from __future__ import annotations`: the hook module is imported by DDP, which reads real types.
 import contextlib
 import functools
 from collections.abc import Callable, Iterator

@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from gradq.client.chunks import chunk_bounds, chunk_key
-from gradq.client.torch_codec import quantizes_on_device
+from gradq.client.ddp.placement import quantizes_on_device
 from gradq.qcore import QuantConfig
 from gradq.qcore.arrays import ResidualStore
 
 if TYPE_CHECKING:
-    from gradq.client.ddp_hook import GradqHookState
+    from gradq.client.ddp.hook import GradqHookState
 
 __all__ = ["BucketResiduals", "checkpoint_of", "resume_from"]
 

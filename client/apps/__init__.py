@@ -1,0 +1,1 @@
+"""Applications built on the DDP adapter: `gradq demo`, `gradq worker` (the Compose worker) and their training loop."""
