@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -209,7 +210,7 @@ class WorkerClient:
         return self.push_pull_async(step, bucket, array).result()
 
     def push_pull_async(
-        self, step: int, bucket: int, array: Any, out: Any | None = None
+        self, step: int, bucket: int, array: Any, out: Any | None = None, *, dtype: str | None = None
     ) -> concurrent.futures.Future[Any]:
         """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
 
@@ -222,6 +223,10 @@ class WorkerClient:
             out: a contiguous float32 array (a tensor, for a tensor ``array``) of
                 ``array``'s element count to decode the mean into (``array``
                 itself is fine); None allocates one.
+            dtype: the element type ``array`` stands for, when it is a float32
+                copy of something narrower (the DDP hook's host copy of a bf16
+                bucket): recorded on the wire and compared against in
+                ``stats()``. None: ``array``'s own.
         """
         arrays = self._arrays_for(array)
         flat = arrays.flatten(array)
@@ -235,6 +240,8 @@ class WorkerClient:
             tensors = [
                 arrays.encode(key, flat[begin:end], self._rng) for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
+            if dtype is not None:
+                tensors = [dataclasses.replace(tensor, dtype=dtype) for tensor in tensors]
         except ValueError as error:
             # NaN/Inf (or |x| >= 2**126): tell the aggregator about every chunk, so its
             # policy rejects the bucket or skips it, for every rank alike.

@@ -365,7 +365,8 @@ def _push_bucket(state: GradqHookState, bucket: dist.GradBucket) -> torch.future
     @on_callers_stream(buffer)
     def send() -> None:
         try:
-            client.push_pull_async(step, key, values, out=out).add_done_callback(deliver)
+            dtype = str(buffer.dtype).removeprefix("torch.")  # a host copy is float32; stats compare with this
+            client.push_pull_async(step, key, values, out=out, dtype=dtype).add_done_callback(deliver)
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]
 

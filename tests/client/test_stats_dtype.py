@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from gradq.client import WorkerClient
+from gradq.client.ddp import GradqHookState
 from gradq.qcore import QuantConfig, wire_size
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
+from gradq.server.process import free_port
 
 
 def test_a_float16_bucket_is_compared_with_two_bytes_per_element() -> None:
@@ -36,3 +40,29 @@ def test_a_float16_bucket_is_compared_with_two_bytes_per_element() -> None:
     }
     assert samples[("gradq_uncompressed_bytes_total", (("dtype", "float16"), ("job", "half")))] == pushes * 2 * numel
     assert samples[("gradq_compression_ratio", (("job", "half"),))] == 2 * numel / wire_size(numel, config)
+
+
+def test_a_cpu_bfloat16_bucket_copied_to_the_host_still_counts_as_bfloat16() -> None:
+    # The numpy path pushes a float32 host copy of the bucket; the wire and /metrics must name bfloat16.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import ddp_probe
+
+    server = AggregatorServer(RoundPolicy(round_timeout_s=30.0), ServerOptions("127.0.0.1:0", metrics_port=0))
+    server.start()
+    numel, steps = 3000, 2
+    try:
+        rng = np.random.default_rng(5)
+        gradients = [[rng.normal(0, 1e-2, numel).astype(np.float32) for _ in range(steps)] for _ in range(2)]
+        state = GradqHookState(f"127.0.0.1:{server.port}", QuantConfig(bits=8), codec="numpy")
+        ddp_probe.run(2, f"tcp://127.0.0.1:{free_port()}", "gradq", gradients, dtype="bfloat16", state=state)
+        assert server.metrics_port is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    finally:
+        server.stop()
+    dtypes = {
+        sample.labels.get("dtype")
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gradq_uncompressed_bytes_total"
+    }
+    assert dtypes == {"bfloat16"}
