@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="gradq",
         description="Quantized gradient aggregation for PyTorch DDP.",
         epilog="In your own training script: model.register_comm_hook(GradqHookState.from_env(), gradq_hook) "
-        "(gradq.client.ddp.hook), configured by GRADQ_AGGREGATOR, GRADQ_JOB_ID, GRADQ_BITS, ...; launch it with "
+        "(gradq.client.ddp.hook), configured by GRADQ_AGGREGATORS, GRADQ_JOB_ID, GRADQ_BITS, ...; launch it with "
         "torchrun --standalone --nproc_per_node=N against a running `gradq serve`. Each rank leaves its job when its "
         "process exits, and a rerun or a torchrun restart with the same GRADQ_JOB_ID starts the job afresh. "
         "See examples/torchrun_train.py and the README's 'With torchrun'.",

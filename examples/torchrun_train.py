@@ -1,7 +1,7 @@
 """A small real DDP training script whose gradients go through gradq; launch it with torchrun.
 
     gradq serve --host 127.0.0.1 --port 50051 &
-    GRADQ_AGGREGATOR=127.0.0.1:50051 GRADQ_JOB_ID=example GRADQ_BITS=4 GRADQ_ERROR_FEEDBACK=1 \\
+    GRADQ_AGGREGATORS=127.0.0.1:50051 GRADQ_JOB_ID=example GRADQ_BITS=4 GRADQ_ERROR_FEEDBACK=1 \\
         torchrun --standalone --nproc_per_node=2 examples/torchrun_train.py
 
 The only gradq lines are the two that build and register the hook state. The
@@ -55,7 +55,7 @@ def main() -> None:
     mine = slice(rank, None, world_size)  # each rank trains on its own share
     torch.manual_seed(attempt)  # DDP broadcasts rank 0's initial weights anyway
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))
-    state = GradqHookState.from_env()  # GRADQ_AGGREGATOR, GRADQ_BITS, GRADQ_JOB_ID, ...
+    state = GradqHookState.from_env()  # GRADQ_AGGREGATORS, GRADQ_BITS, GRADQ_JOB_ID, ...
     model.register_comm_hook(state, gradq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []

@@ -1,8 +1,10 @@
 """GRADQ_* environment variables -> GradqHookState arguments, so a torchrun script and a Compose worker read one set.
 
-Each variable is a `gradq worker` flag in upper case with a GRADQ_ prefix
-(``--job-id`` is GRADQ_JOB_ID), the convention `gradq serve` follows for its own
-flags. A variable left unset leaves the state's own default.
+The names are the ones `gradq worker` (the Compose worker) reads, so one
+environment configures either: GRADQ_AGGREGATORS for the shards,
+GRADQ_TLS_CLIENT_CERT/KEY for the worker's own certificate (GRADQ_TLS_CERT is
+the aggregator's, in `gradq serve`). A variable left unset leaves the state's
+own default.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ __all__ = ["HOOK_ENVIRONMENT", "hook_arguments_from_env"]
 
 # Variable -> what it sets; `gradq worker --help` names the same settings.
 HOOK_ENVIRONMENT = {
-    "GRADQ_AGGREGATOR": "host:port of the aggregator shard(s), comma-separated (required)",
+    "GRADQ_AGGREGATORS": "host:port of the aggregator shard(s), comma-separated (required)",
     "GRADQ_BITS": "bits per gradient element, 1..8",
     "GRADQ_SCHEME": "quantization scheme, e.g. per_channel_affine",
     "GRADQ_ERROR_FEEDBACK": "1/0: carry each bucket's quantization error into its next step",
     "GRADQ_JOB_ID": "the aggregator job shared by all ranks (unset: rank 0 draws one per run)",
     "GRADQ_TLS_CA": "PEM CA of the aggregator's certificate: talk TLS",
-    "GRADQ_TLS_CERT": "this worker's PEM certificate, for mutual TLS",
-    "GRADQ_TLS_KEY": "its PEM key",
+    "GRADQ_TLS_CLIENT_CERT": "this worker's PEM certificate, for mutual TLS",
+    "GRADQ_TLS_CLIENT_KEY": "its PEM key",
     "GRADQ_TOKEN_FILE": "file holding the bearer token to send",
 }
 
@@ -44,16 +46,16 @@ def hook_arguments_from_env(environ: Mapping[str, str] | None = None) -> dict[st
         and ``security`` the variables set.
 
     Raises:
-        ValueError: GRADQ_AGGREGATOR is unset or empty, or a variable's value
+        ValueError: GRADQ_AGGREGATORS is unset or empty, or a variable's value
             cannot be parsed; the message names the variable and the value.
     """
     env = {
         name: value for name, value in (os.environ if environ is None else environ).items() if name in HOOK_ENVIRONMENT
     }
-    addresses = [address.strip() for address in env.get("GRADQ_AGGREGATOR", "").split(",") if address.strip()]
+    addresses = [address.strip() for address in env.get("GRADQ_AGGREGATORS", "").split(",") if address.strip()]
     if not addresses:
         raise ValueError(
-            f"GRADQ_AGGREGATOR={env.get('GRADQ_AGGREGATOR', '')!r} is invalid; expected 'host:port[,host:port...]'"
+            f"GRADQ_AGGREGATORS={env.get('GRADQ_AGGREGATORS', '')!r} is invalid; expected 'host:port[,host:port...]'"
         )
     arguments: dict[str, Any] = {"addresses": addresses}
     grid: dict[str, Any] = {}
@@ -81,14 +83,14 @@ def hook_arguments_from_env(environ: Mapping[str, str] | None = None) -> dict[st
         token_file = files["GRADQ_TOKEN_FILE"]
         arguments["security"] = ChannelSecurity.from_files(
             files["GRADQ_TLS_CA"],
-            files["GRADQ_TLS_CERT"],
-            files["GRADQ_TLS_KEY"],
+            files["GRADQ_TLS_CLIENT_CERT"],
+            files["GRADQ_TLS_CLIENT_KEY"],
             token_file.read_text().strip() if token_file else None,
         )
     return arguments
 
 
-_SECURITY_FILES = ("GRADQ_TLS_CA", "GRADQ_TLS_CERT", "GRADQ_TLS_KEY", "GRADQ_TOKEN_FILE")
+_SECURITY_FILES = ("GRADQ_TLS_CA", "GRADQ_TLS_CLIENT_CERT", "GRADQ_TLS_CLIENT_KEY", "GRADQ_TOKEN_FILE")
 
 
 def _flag(name: str, value: str) -> bool:

@@ -168,7 +168,7 @@ class GradqHookState:
             The configured state (not yet connected).
 
         Raises:
-            ValueError: GRADQ_AGGREGATOR is unset, or a variable holds a bad value.
+            ValueError: GRADQ_AGGREGATORS is unset, or a variable holds a bad value.
         """
         return cls(**{**hook_arguments_from_env(environ), **overrides})
 

@@ -50,7 +50,7 @@ class RegisterOnCpu(lightning.Callback):
 
 
 def main(steps: int) -> None:
-    """Fit for ``steps`` steps on 2 CPU ranks through the aggregator GRADQ_AGGREGATOR names."""
+    """Fit for ``steps`` steps on 2 CPU ranks through the aggregator GRADQ_AGGREGATORS names."""
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(512, 16, generator=generator)

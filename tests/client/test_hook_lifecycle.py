@@ -141,7 +141,7 @@ EXITING_SCRIPT = textwrap.dedent(
 
 
 def test_a_process_that_exits_without_closing_leaves_its_job(aggregator: AggregatorServer) -> None:
-    env = {**os.environ, "GRADQ_AGGREGATOR": f"127.0.0.1:{aggregator.port}", "GRADQ_JOB_ID": "exiting"}
+    env = {**os.environ, "GRADQ_AGGREGATORS": f"127.0.0.1:{aggregator.port}", "GRADQ_JOB_ID": "exiting"}
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", EXITING_SCRIPT.format(port=free_port())], env=env, capture_output=True, text=True

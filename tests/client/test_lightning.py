@@ -38,7 +38,7 @@ def aggregator() -> Iterator[AggregatorServer]:
 def test_lightning_ddp_strategy_trains_through_gradq(aggregator: AggregatorServer) -> None:
     env = {
         **os.environ,
-        "GRADQ_AGGREGATOR": f"127.0.0.1:{aggregator.port}",
+        "GRADQ_AGGREGATORS": f"127.0.0.1:{aggregator.port}",
         "GRADQ_JOB_ID": "lightning",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),

@@ -65,7 +65,7 @@ def torchrun(
     """Run the example on 2 ranks; returns rank 0's "attempt" lines (parsed) and torchrun's stderr."""
     env = {
         **os.environ,
-        "GRADQ_AGGREGATOR": aggregator.address,
+        "GRADQ_AGGREGATORS": aggregator.address,
         "GRADQ_JOB_ID": job_id,
         "GRADQ_BITS": "4",
         "GRADQ_ERROR_FEEDBACK": "1",
