@@ -18,7 +18,7 @@ flood runs in a child process of this script:
 - malformed: random bytes to Join, PushPull and Leave.
 
 Each row reports the legitimate job's median step, its ratio to the quiet
-row, the server's peak RSS during the row, the budget, and what the flood
+row, the server's peak RSS and thread count during the row, the budget, and what the flood
 sent and how much of it the server refused. The flood process runs at
 nice 19 (an attacker's own CPU is not the victim's); the server and the
 legitimate workers share this machine's cores at normal priority, so the
@@ -54,32 +54,42 @@ _ROUND_TIMEOUT_S = 5.0
 FLOODS = ("parked", "open_rounds", "malformed", "join_storm")
 
 
-def rss_bytes(pid: int) -> int:
+def _status(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+        if line.startswith(field):
+            return int(line.split()[1])
     return 0
 
 
-class PeakRss:
-    """Samples a process's RSS every 50 ms on a thread until ``stop``."""
+def rss_bytes(pid: int) -> int:
+    return _status(pid, "VmRSS:") * 1024
+
+
+def thread_count(pid: int) -> int:
+    return _status(pid, "Threads:")
+
+
+class PeakUse:
+    """Samples a process's RSS and thread count every 50 ms on a thread until ``stop``."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.peak = rss_bytes(pid)
+        self.rss = rss_bytes(pid)
+        self.threads = thread_count(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, rss_bytes(self.pid))
+            self.rss = max(self.rss, rss_bytes(self.pid))
+            self.threads = max(self.threads, thread_count(self.pid))
 
-    def stop(self) -> int:
-        """Stop sampling; returns the peak in bytes."""
+    def stop(self) -> tuple[int, int]:
+        """Stop sampling; returns the peaks (RSS bytes, threads)."""
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.rss, self.threads
 
 
 # -- the floods (each runs in a child process until killed; prints its counts on SIGTERM) ----------------------
@@ -244,13 +254,13 @@ def main() -> None:
                 command += ["--wave-every", str(args.wave_every)]
                 flood = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 time.sleep(3.0)  # let the flood reach its steady state (and the server JIT-compile its kernels)
-            peak = PeakRss(server.pid)
+            peak = PeakUse(server.pid)
             times = legit.steps(args.steps)
-            peak_bytes = peak.stop()
+            peak_bytes, peak_threads = peak.stop()
             counts = ""
             if flood is not None:
                 counts, _ = flood.communicate("", timeout=60)
-            rows.append((name, statistics.median(times), peak_bytes, counts.strip()))
+            rows.append((name, statistics.median(times), peak_bytes, peak_threads, counts.strip()))
         time.sleep(_ROUND_TIMEOUT_S + 1.5)  # every flood's rounds reach their deadline; the heap is trimmed
         settled = rss_bytes(server.pid)
     finally:
@@ -258,12 +268,12 @@ def main() -> None:
         server.wait(timeout=30)
     quiet = rows[0][1]
     print(f"legitimate job: {args.workers} workers, {args.numel} elements 8-bit per channel, {args.steps} steps")
-    header = f"{'flood':<12} {'median step':>12} {'x quiet':>8} {'peak RSS':>10} {'budget':>8}"
+    header = f"{'flood':<12} {'median step':>12} {'x quiet':>8} {'peak RSS':>10} {'budget':>8} {'threads':>8}"
     print(f"{header}  flood calls (status=count)")
-    for name, median, rss, counts in rows:
+    for name, median, rss, threads, counts in rows:
         print(
             f"{name:<12} {median * 1e3:>9.1f} ms {median / quiet:>7.2f}x {rss / 2**20:>6.0f} MiB "
-            f"{args.budget / 2**20:>4.0f} MiB  {counts}"
+            f"{args.budget / 2**20:>4.0f} MiB {threads:>8}  {counts}"
         )
     quiet_rss = rows[0][2] / 2**20
     print(f"RSS once every flood's rounds had ended: {settled / 2**20:.0f} MiB (quiet row's peak {quiet_rss:.0f} MiB)")

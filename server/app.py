@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import signal
 import threading
 import time
+from collections.abc import Coroutine
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,11 +40,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # After the rounds are settled, time for their answers to leave before the port closes.
 _ANSWER_GRACE_S = 2.0
-# Handler threads never given to waiting PushPulls, so Join, Leave and pushes that
-# do not wait always find one, however many calls are parked.
-_RESERVED_WORKERS = 16
+# Calls gRPC admits beyond the waiting PushPulls, so Join, Leave, health probes and
+# pushes that do not wait always get in, however many calls are parked.
+_RESERVED_CALLS = 64
 # How often the sweeper closes rounds past their deadline that nobody waits for and expires idle jobs.
 _SWEEP_PERIOD_S = 0.25
 # Return freed heap to the OS once the budget's use has fallen by this much since the last time.
@@ -77,9 +82,9 @@ class ServerOptions:
     Args:
         address: host:port to bind; port 0 picks a free port.
         max_message_bytes: largest request or response accepted, in bytes.
-        max_workers: handler threads. A PushPull holds one while it waits for
-            its round (until the round ends or its client gives up), so all
-            but a reserve of 16 bound the calls waiting at once.
+        max_workers: threads that join, decode and accumulate pushes, average
+            and leave. A PushPull waits for its round on the event loop and
+            holds none while it waits, so a few per core suffice.
         grace_s: on stop, rounds in flight get this long to finish.
         tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.
         tokens: require a bearer token on every call but health and reflection.
@@ -91,7 +96,7 @@ class ServerOptions:
 
     address: str = "0.0.0.0:50051"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_workers: int = 512
+    max_workers: int = 8
     grace_s: float = 10.0
     tls: TlsFiles | None = None
     tokens: TokenTable | None = None
@@ -107,11 +112,11 @@ class AggregatorServer:
             raise ValueError(
                 f"exit_after_jobs={options.exit_after_jobs} is invalid; expected 0 (serve until stopped) or >= 1"
             )
+        if options.max_workers < 1:
+            raise ValueError(f"max_workers={options.max_workers} is invalid; expected >= 1")
         self.policy = policy
         self.options = options
         self.limits = limits or ServiceLimits()
-        if options.max_workers <= _RESERVED_WORKERS:
-            raise ValueError(f"max_workers={options.max_workers} is invalid; expected > {_RESERVED_WORKERS}")
         self.metrics = RoundMetrics() if options.metrics_port is not None else None
         self.metrics_port: int | None = None
         self._jobs_finished = 0
@@ -123,45 +128,73 @@ class AggregatorServer:
             limits=self.limits,
             job_finished=self._count_finished_job,
         )
-        self.health = health.HealthServicer()
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
-        transport = channel_options(options.max_message_bytes)
-        interceptors = [TokenAuthInterceptor(options.tokens)] if options.tokens else []
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors, options=transport
-        )
         waiting = WaitingCalls(
-            self.limits.max_waiting_per_job,
-            self.limits.max_waiting_per_peer,
-            options.max_workers - _RESERVED_WORKERS,
+            self.limits.max_waiting_per_job, self.limits.max_waiting_per_peer, self.limits.max_waiting_calls
         )
         self.servicer = AggregatorServicer(self.table, waiting)
-        add_aggregator_to_server(self.servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server,
+        self.health = health.aio.HealthServicer()
+        # grpc.aio serves every call on one event loop, run by its own thread so this
+        # class keeps a blocking API; round work goes to the loop's default executor.
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(
+            futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="gradq-rounds")
         )
-        if options.tls is not None:
-            self.port = self._server.add_secure_port(options.address, options.tls.credentials())
-        else:
-            self.port = self._server.add_insecure_port(options.address)
-        if self.port == 0:
-            raise OSError(f"could not bind address={options.address!r}; is the port in use?")
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="gradq-loop", daemon=True)
+        self._loop_thread.start()
+        try:
+            self._server, self.port = self._on_loop(self._build())
+        except BaseException:
+            self._close_loop()
+            raise
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._sweeper = threading.Thread(target=self._sweep, name="gradq-sweeper", daemon=True)
 
+    async def _build(self) -> tuple[grpc.aio.Server, int]:
+        """The gRPC server with every service, bound to its port (on the loop: grpc.aio needs it)."""
+        interceptors = [TokenAuthInterceptor(self.options.tokens)] if self.options.tokens else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=channel_options(self.options.max_message_bytes),
+            # Past this gRPC answers RESOURCE_EXHAUSTED itself: a flood of calls that never
+            # reach a handler (stalled or slow) is bounded too.
+            maximum_concurrent_rpcs=self.limits.max_waiting_calls + _RESERVED_CALLS,
+        )
+        add_aggregator_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        if self.options.tls is not None:
+            port = server.add_secure_port(self.options.address, self.options.tls.credentials())
+        else:
+            port = server.add_insecure_port(self.options.address)
+        if port == 0:
+            raise OSError(f"could not bind address={self.options.address!r}; is the port in use?")
+        return server, port
+
+    def _on_loop(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on the server's event loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
+
     def start(self) -> None:
         """Start serving and mark the aggregator healthy."""
-        self._server.start()
+        self._on_loop(self._server.start())
         self._sweeper.start()
         if self.metrics is not None and self.options.metrics_port is not None:
             host = self.options.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
             self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self._on_loop(self.health.set(service, health_pb2.HealthCheckResponse.SERVING))
         log.info(
             "aggregator %s serving on port %d (%s%s, world_size=%s, round timeout %.1f s)",
             self.servicer.server_id[:8],
@@ -210,7 +243,7 @@ class AggregatorServer:
         log.info(
             "stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s", self.table.in_flight(), self.options.grace_s
         )
-        self.health.enter_graceful_shutdown()
+        self._on_loop(self.health.enter_graceful_shutdown())
         # Keep accepting pushes for rounds already started so they can complete;
         # the table refuses new jobs and rounds from here on.
         self.table.close()
@@ -220,7 +253,8 @@ class AggregatorServer:
         left = self.table.fail_in_flight("the aggregator shut down before the round completed; retry after restart")
         if left:
             log.warning("%d round(s) still incomplete after the grace period were failed with UNAVAILABLE", left)
-        self._server.stop(_ANSWER_GRACE_S).wait()
+        self._on_loop(self._server.stop(_ANSWER_GRACE_S))
+        self._close_loop()
         self._stopped.set()
         log.info("stopped")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import hmac
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ class TokenScope:
 
 
 # The scope of the current call's token (None: no token table). Set for every
-# authenticated call, so a pooled handler thread never sees a stale one.
+# authenticated call; asyncio.to_thread carries it into the executor.
 _scope: contextvars.ContextVar[TokenScope | None] = contextvars.ContextVar("gradq_token_scope", default=None)
 
 
@@ -137,29 +137,31 @@ def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
     return ""
 
 
-def _deny(_request: Any, context: grpc.ServicerContext) -> None:
-    context.abort(
+async def _deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
         grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token; expected metadata 'authorization: Bearer <token>'"
     )
 
 
-def _bound(behaviour: Callable[..., Any], scope: TokenScope) -> Callable[..., Any]:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
+def _bound(behaviour: Callable[..., Awaitable[Any]], scope: TokenScope) -> Callable[..., Awaitable[Any]]:
+    # Each call runs in its own asyncio task, with its own copy of the context variables.
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         reset = _scope.set(scope)
         try:
-            return behaviour(request, context)
+            return await behaviour(request, context)
         finally:
             _scope.reset(reset)
 
     return call
 
 
-def _bound_stream(behaviour: Callable[..., Iterator[Any]], scope: TokenScope) -> Callable[..., Iterator[Any]]:
+def _bound_stream(behaviour: Callable[..., AsyncIterator[Any]], scope: TokenScope) -> Callable[..., AsyncIterator[Any]]:
     # A streaming response is produced after the handler returns, so the scope stays set while it is.
-    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         reset = _scope.set(scope)
         try:
-            yield from behaviour(request, context)
+            async for item in behaviour(request, context):
+                yield item
         finally:
             _scope.reset(reset)
 
@@ -167,10 +169,11 @@ def _bound_stream(behaviour: Callable[..., Iterator[Any]], scope: TokenScope) ->
 
 
 def bind_scope(handler: grpc.RpcMethodHandler, scope: TokenScope) -> grpc.RpcMethodHandler:
-    """``handler`` with ``scope`` bound around it, whatever its kind (unary or streaming, either side).
+    """``handler`` (a grpc.aio one) with ``scope`` bound around it, whatever its kind (unary or streaming).
 
     Args:
-        handler: the method's handler.
+        handler: the method's handler; its behaviour is a coroutine function,
+            or an async generator function for a streaming response.
         scope: the caller's token scope.
 
     Returns:
@@ -186,22 +189,22 @@ def bind_scope(handler: grpc.RpcMethodHandler, scope: TokenScope) -> grpc.RpcMet
     return grpc.stream_stream_rpc_method_handler(_bound_stream(handler.stream_stream, scope), **codec)
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks ``authorization: Bearer <token>`` on every call except health and reflection."""
 
     def __init__(self, table: TokenTable) -> None:
         self.table = table
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method  # type: ignore[attr-defined]
         if method.startswith(OPEN_METHOD_PREFIXES):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         scope = self.table.lookup(_bearer(handler_call_details.invocation_metadata))  # type: ignore[attr-defined]
         if scope is None:
             return grpc.unary_unary_rpc_method_handler(_deny)
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         return None if handler is None else bind_scope(handler, scope)

@@ -144,6 +144,13 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "PushPull calls from one client host waiting at once; past it, RESOURCE_EXHAUSTED",
     ),
     (
+        "--max-waiting-calls",
+        "GRADQ_MAX_WAITING_CALLS",
+        int,
+        _LIMITS.max_waiting_calls,
+        "PushPull calls waiting at once in all (each holds no thread, about 10 KB); past it, RESOURCE_EXHAUSTED",
+    ),
+    (
         "--max-message-bytes",
         "GRADQ_MAX_MESSAGE_BYTES",
         int,
@@ -155,8 +162,8 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "GRADQ_MAX_WORKERS",
         int,
         _SERVER.max_workers,
-        "handler threads; a waiting PushPull holds one until its round ends or its client gives up, and 16 "
-        "are kept for calls that do not wait",
+        "threads that decode, accumulate and average pushes; a waiting PushPull holds none (it waits on the "
+        "event loop)",
     ),
     (
         "--non-finite",
@@ -298,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_job_memory_bytes=args.max_job_memory_bytes,
             max_waiting_per_job=args.max_waiting_per_job,
             max_waiting_per_peer=args.max_waiting_per_peer,
+            max_waiting_calls=args.max_waiting_calls,
         )
         server = AggregatorServer(policy, options, limits)
     except (ValueError, OSError) as error:

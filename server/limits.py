@@ -42,6 +42,9 @@ class ServiceLimits:
             opens rounds it never completes cannot take the budget from the others.
         max_waiting_per_job: PushPull calls of one job waiting for rounds at once.
         max_waiting_per_peer: PushPull calls from one client host waiting at once.
+        max_waiting_calls: PushPull calls waiting at once in all. A waiting call
+            holds no thread, only its coroutine and gRPC's call state (about
+            10 KB; bench/abuse.py), so this bounds memory, not threads.
     """
 
     max_steps_ahead: int = 4
@@ -53,6 +56,7 @@ class ServiceLimits:
     max_job_memory_bytes: int = -1  # -1: a quarter of max_memory_bytes
     max_waiting_per_job: int = 1024
     max_waiting_per_peer: int = 1024
+    max_waiting_calls: int = 8192
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
@@ -67,6 +71,7 @@ class ServiceLimits:
             "max_job_memory_bytes",
             "max_waiting_per_job",
             "max_waiting_per_peer",
+            "max_waiting_calls",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; expected >= 1")

@@ -114,7 +114,9 @@ class RoundCloser:
         self._budget.adjust(rnd.charged, retained, job.memory)
         rnd.charged = retained
         rnd.done.set()
-        for wake in rnd.wakers:
+        with rnd.wakers_lock:  # after done is set, so a call that looks later sees it and does not wait
+            wakers = list(rnd.wakers)
+        for wake in wakers:
             wake.set()
         if self._observer is not None:
             self._observer.round_finished(round_report(job.job_id, rnd, outcome, reason))

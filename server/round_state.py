@@ -5,14 +5,22 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from gradq.qcore import QuantizedArray, decode, decode_accumulate
+from gradq.server.budget import mapped_float32
 from gradq.server.errors import RoundError
 from gradq.server.policy import PushedGrid
 
-__all__ = ["Round", "RoundResult"]
+__all__ = ["Round", "RoundResult", "Waker"]
+
+
+class Waker(Protocol):
+    """What a waiting call hands its round: ``set()`` is called once the round is done, from any thread."""
+
+    def set(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,7 @@ class Round:
         "result",
         "step",
         "wakers",
+        "wakers_lock",
     )
 
     def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
@@ -68,7 +77,7 @@ class Round:
         self.lock = threading.Lock()
         self.done = threading.Event()
         # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
-        self.accumulator: np.ndarray | None = np.empty(pushed.numel, np.float32)
+        self.accumulator: np.ndarray | None = mapped_float32(pushed.numel)
         self.decoded = 0  # contributions in the accumulator
         self.averaged = False  # the last contribution already divided the sum by the ranks
         self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)
@@ -80,8 +89,10 @@ class Round:
         self.contributors: set[int] = set()
         # rank -> digest of what it pushed, so a resend with other content is refused, not answered.
         self.digests: dict[int, int] = {}
-        # Events of the calls waiting for this round; set when it finishes (a waiter also sets its own on cancel).
-        self.wakers: set[threading.Event] = set()
+        # The calls waiting for this round, woken when it finishes. Their own lock, held for
+        # microseconds, never while decoding: the event loop adds and removes them.
+        self.wakers: set[Waker] = set()
+        self.wakers_lock = threading.Lock()
         self.charged = 0  # bytes this round holds against the memory budget
         self.result: RoundResult | None = None
         self.error: RoundError | None = None

@@ -29,7 +29,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.policy import PushedGrid, RoundPolicy
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
-from gradq.server.round_state import Round, RoundResult
+from gradq.server.round_state import Round, RoundResult, Waker
 from gradq.server.step_window import check_grid, check_step, contribution_digest
 
 __all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
@@ -255,43 +255,70 @@ class RoundTable:
             job.first_step = step
         return rnd
 
-    def wait(
-        self, ticket: RoundTicket, gone: threading.Event | None = None, patience: float | None = None
-    ) -> RoundResult:
-        """Block until the ticket's round finishes (at most until its deadline) and answer.
+    def watch(self, ticket: RoundTicket, waker: Waker) -> float | None:
+        """Have ``waker`` set when the ticket's round finishes; never blocks on the round's work.
+
+        Returns:
+            Seconds left to the round's deadline, or None when it is done already
+            (answer at once; ``waker`` is not kept).
+        """
+        rnd = ticket.round
+        with rnd.wakers_lock:
+            if rnd.done.is_set():
+                return None
+            rnd.wakers.add(waker)
+        return max(0.0, rnd.deadline - self._clock())
+
+    def unwatch(self, ticket: RoundTicket, waker: Waker) -> None:
+        """Forget ``waker`` (its call has its answer or stopped waiting)."""
+        with ticket.round.wakers_lock:
+            ticket.round.wakers.discard(waker)
+
+    def answer(self, ticket: RoundTicket, gave_up: bool = False) -> RoundResult:
+        """The ticket's answer once its wait is over: the result, or the round closed if its deadline passed.
 
         Args:
             ticket: from ``push``.
-            gone: set when the caller stops waiting (its client cancelled or
-                its deadline passed); the wait ends at once. The contribution
-                stays counted, so a retry is answered from the round.
-            patience: most seconds to wait (the client's time remaining).
+            gave_up: the caller stopped waiting before the round finished (its
+                client cancelled or its deadline passed). The contribution stays
+                counted, so a retry is answered from the round.
 
         Raises:
             FailedPreconditionError: a partial round closed without this rank.
             RoundAbortedError: the round's deadline passed with ranks missing.
             UnavailableError: the aggregator shut down before the round completed.
-            CancelledError: ``gone`` was set or ``patience`` ran out first.
+            CancelledError: the caller gave up first.
         """
         rnd = ticket.round
-        wake = gone or threading.Event()
-        timeout = max(0.0, rnd.deadline - self._clock())
-        patient = patience is None or patience >= timeout
-        with rnd.lock:
-            waiting = not rnd.done.is_set()
-            if waiting:
-                rnd.wakers.add(wake)
-        if waiting:
-            try:
-                wake.wait(timeout if patient else max(0.0, patience or 0.0))
-            finally:
-                with rnd.lock:
-                    rnd.wakers.discard(wake)
         if not rnd.done.is_set():
-            if (gone is not None and gone.is_set()) or not patient:
+            if gave_up:
                 raise CancelledError(f"{rnd.describe(ticket.job.job_id)}: the client stopped waiting")
             self.close_if_due(ticket.job, rnd)
         return _answer(ticket.job.job_id, rnd, ticket.rank)
+
+    def wait(self, ticket: RoundTicket, patience: float | None = None) -> RoundResult:
+        """Block this thread until the ticket's round finishes (at most until its deadline) and answer.
+
+        The aggregator's own calls wait on the event loop instead (``watch``);
+        this is for tests and in-process callers.
+
+        Args:
+            ticket: from ``push``.
+            patience: most seconds to wait; past it, CancelledError.
+
+        Raises:
+            See ``answer``.
+        """
+        wake = threading.Event()
+        timeout = self.watch(ticket, wake)
+        gave_up = False
+        if timeout is not None:
+            try:
+                gave_up = patience is not None and patience < timeout
+                wake.wait(patience if gave_up else timeout)
+            finally:
+                self.unwatch(ticket, wake)
+        return self.answer(ticket, gave_up)
 
     def close_if_due(self, job: Job, rnd: Round) -> None:
         """Close a round whose deadline has passed (by a waiter or the sweeper)."""

@@ -12,7 +12,7 @@ that every RPC of the .proto has a handler here.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import uuid
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -23,7 +23,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
 from gradq.server.auth import check_scope
 from gradq.server.errors import RoundError
-from gradq.server.rounds import RoundResult, RoundTable
+from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.waiting import WaitingCalls, peer_host
 
 __all__ = ["AggregatorServicer", "add_aggregator_to_server", "aggregator_handlers", "SERVICE_NAME"]
@@ -31,8 +31,6 @@ __all__ = ["AggregatorServicer", "add_aggregator_to_server", "aggregator_handler
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 
 T = TypeVar("T")
-
-_DEADLINE_MARGIN_S = 0.5
 
 
 class RawRequest:
@@ -48,8 +46,31 @@ class RawRequest:
         return data
 
 
+class LoopWaker:
+    """Wakes a call waiting on the event loop; a round sets it from whichever thread finished it."""
+
+    __slots__ = ("_loop", "_event")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        self._loop = loop
+        self._event = event
+
+    def set(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:
+            pass  # the loop is closed: the server has stopped and its calls are gone
+
+
 class AggregatorServicer:
-    """Thin: every method is decode -> RoundTable -> encode.
+    """Thin: every method is decode -> RoundTable -> encode, on grpc.aio's event loop.
+
+    Work that takes the round locks (joining, decoding and accumulating a
+    push, averaging, leaving) runs on the loop's default executor, a small
+    thread pool; a PushPull then waits for its round as a coroutine, so a
+    parked call costs no thread. The calls are capped (``WaitingCalls``)
+    for their memory. ``asyncio.to_thread`` carries the call's token scope
+    into the pool.
 
     Args:
         table: the round logic.
@@ -62,22 +83,23 @@ class AggregatorServicer:
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
 
-    def Join(self, raw: RawRequest, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        request = _call(context, serde.join_from_bytes, raw.take())
-        _call(context, check_scope, request.job_id, request.rank)
-        world_size, joined = _call(
+    async def Join(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
+        request = await _call(context, serde.join_from_bytes, raw.take())
+        await _call(context, check_scope, request.job_id, request.rank)
+        world_size, joined = await _in_pool(
             context, self.table.join, request.job_id, request.rank, request.world_size, request.incarnation
         )
         return serde.join_to_proto(world_size, joined, self.server_id).SerializeToString()
 
-    def PushPull(self, raw: RawRequest, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        contribution = _call(context, serde.contribution_from_bytes, raw.take())
+    async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
+        # Parsed on the pool: the loop never spends time proportional to a payload.
+        contribution = await _in_pool(context, serde.contribution_from_bytes, raw.take())
         job_id = contribution.job_id
-        _call(context, check_scope, job_id, contribution.rank)
+        await _call(context, check_scope, job_id, contribution.rank)
         peer = peer_host(context.peer())
-        _call(context, self.waiting.acquire, job_id, peer)
+        await _call(context, self.waiting.acquire, job_id, peer)
         try:
-            ticket = _call(
+            ticket = await _in_pool(
                 context,
                 self.table.push,
                 job_id,
@@ -89,24 +111,37 @@ class AggregatorServicer:
                 contribution.incarnation,
             )
             del contribution  # accumulated: nothing of the payload need outlive the push
-            # Set when the client cancels or its deadline passes, so the wait ends and frees its thread.
-            gone = threading.Event()
-            if not context.add_callback(gone.set):
-                gone.set()
-            remaining = context.time_remaining()
-            # gRPC cancels the call (setting ``gone``) when the client's deadline passes; the margin
-            # only backs that up, so the client sees its own DEADLINE_EXCEEDED, not our CANCELLED.
-            patience = None if remaining is None else remaining + _DEADLINE_MARGIN_S
-            result = _call(context, self.table.wait, ticket, gone, patience)
+            result = await self._wait(ticket, context)
         finally:
             self.waiting.release(job_id, peer)
         assert isinstance(result.packaged, bytes), "the table packages every result"
         return result.packaged
 
-    def Leave(self, raw: RawRequest, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        request = _call(context, serde.leave_from_bytes, raw.take())
-        _call(context, check_scope, request.job_id, request.rank)
-        _call(context, self.table.leave, request.job_id, request.rank, request.incarnation)
+    async def _wait(self, ticket: RoundTicket, context: grpc.aio.ServicerContext) -> RoundResult:
+        """Wait for the ticket's round without holding a thread.
+
+        When the client cancels or its deadline passes, gRPC cancels this
+        coroutine at the ``await``: the call ends at once and its contribution
+        stays counted.
+        """
+        woken = asyncio.Event()
+        waker = LoopWaker(asyncio.get_running_loop(), woken)
+        timeout = self.table.watch(ticket, waker)
+        if timeout is not None:
+            try:
+                await asyncio.wait_for(woken.wait(), timeout)
+            except TimeoutError:
+                pass  # the round's deadline: ``answer`` closes it
+            finally:
+                self.table.unwatch(ticket, waker)
+        if ticket.round.done.is_set():
+            return await _call(context, self.table.answer, ticket)
+        return await _in_pool(context, self.table.answer, ticket)  # closes the round over the ranks it has
+
+    async def Leave(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
+        request = await _call(context, serde.leave_from_bytes, raw.take())
+        await _call(context, check_scope, request.job_id, request.rank)
+        await _in_pool(context, self.table.leave, request.job_id, request.rank, request.incarnation)
         return pb.LeaveResponse().SerializeToString()
 
 
@@ -129,19 +164,28 @@ def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMetho
     }
 
 
-def add_aggregator_to_server(servicer: AggregatorServicer, server: grpc.Server) -> None:
+def add_aggregator_to_server(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
     """Register the Aggregator service's methods on ``server``."""
     handlers = aggregator_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def _call(context: grpc.ServicerContext, action: Callable[..., T], *args: object) -> T:
+async def _call(context: grpc.aio.ServicerContext, action: Callable[..., T], *args: object) -> T:
+    """``action(*args)`` on the loop (it must not block), its RoundError turned into the call's status."""
     try:
         return action(*args)
     except RoundError as error:
-        _abort(context, error)
+        await _abort(context, error)
 
 
-def _abort(context: grpc.ServicerContext, error: RoundError) -> NoReturn:
-    context.abort(grpc.StatusCode[error.code], str(error))
+async def _in_pool(context: grpc.aio.ServicerContext, action: Callable[..., T], *args: object) -> T:
+    """``action(*args)`` on the executor (it takes round locks or decodes), its RoundError turned into the status."""
+    try:
+        return await asyncio.to_thread(action, *args)
+    except RoundError as error:
+        await _abort(context, error)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: RoundError) -> NoReturn:
+    await context.abort(grpc.StatusCode[error.code], str(error))
     raise AssertionError("context.abort returned")  # abort always raises

@@ -1,9 +1,9 @@
 """Caps on PushPull calls waiting for their rounds, per job, per client host and in all.
 
-The gRPC server runs one handler thread per call, and a waiting PushPull
-holds its thread until its round ends or its client gives up. Capping the
-waiters below the thread pool keeps threads free for every Join, Leave and
-push that does not wait, so parked calls cannot starve another job.
+A waiting PushPull holds no thread (it waits on the server's event loop),
+but it does hold its coroutine and gRPC's call state until its round ends or
+its client gives up. The caps keep one job or one host from taking all the
+calls the server admits, and keep that memory bounded.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class WaitingCalls:
     Args:
         per_job: most waiting calls of one job (--max-waiting-per-job).
         per_peer: most waiting calls from one client host (--max-waiting-per-peer).
-        total: most waiting calls in all (the thread pool less a reserve).
+        total: most waiting calls in all (--max-waiting-calls).
     """
 
     def __init__(self, per_job: int, per_peer: int, total: int) -> None:
@@ -55,7 +55,7 @@ class WaitingCalls:
             if self._count >= self.total:
                 raise ResourceExhaustedError(
                     f"{self._count} PushPull calls are waiting on this aggregator, its limit "
-                    f"(--max-workers less a reserve for Join and Leave: {self.total}); retry later"
+                    f"(--max-waiting-calls={self.total}); retry later"
                 )
             if self._jobs[job_id] >= self.per_job:
                 raise ResourceExhaustedError(

@@ -162,6 +162,58 @@ def test_3b_a_peer_past_its_waiting_cap_is_refused() -> None:
         server.stop()
 
 
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no thread count for pid {pid}")
+
+
+def test_3c_waiting_calls_hold_no_thread_of_the_server() -> None:
+    parked_calls, workers = 400, 4
+    process, port = spawn_aggregator(
+        "--round-timeout", "30", "--max-workers", str(workers), "--max-waiting-per-job", str(parked_calls),
+        "--max-open-rounds", str(2 * parked_calls),
+        "--log-level", "WARNING", stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    channel, attacker = stub(address)
+    try:
+        run_legit_job(address, "warm", 2, range(2))
+        before = _threads(process.pid)
+        attacker.Join(pb.JoinRequest(job_id="park", rank=0, world_size=2), timeout=5)
+        parked = [
+            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=60)
+            for b in range(parked_calls)
+        ]
+        # The job's waiting cap is full only once every parked call is in its round, waiting.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                attacker.PushPull(push_request("park", 0, 0, gradient(0, 0), bucket=parked_calls), timeout=5)
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    assert f"--max-waiting-per-job={parked_calls}" in (error.details() or "")
+                    break
+        # 400 waiting calls: no thread each (the sync server held 400), only the round pool's few.
+        assert _threads(process.pid) <= before + workers
+        started = time.monotonic()
+        run_legit_job(address, "legit", 4, range(20))
+        assert time.monotonic() - started < 10.0
+        for call in parked:
+            call.cancel()
+        assert all(call.cancelled() for call in parked)
+        # Cancelled calls give their slots back, and their contributions stay counted.
+        retry = attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=7), timeout=10)
+        attacker.Join(pb.JoinRequest(job_id="park", rank=1, world_size=2), timeout=5)
+        attacker.PushPull(push_request("park", 1, 0, gradient(1, 0), bucket=7), timeout=10)
+        assert retry.result().contributors == 2
+    finally:
+        channel.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back() -> None:
     budget, share = 42 << 20, 24 << 20  # the warm-up and the legitimate job retain a little under 1 MiB
     process, port = spawn_aggregator(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,15 +180,18 @@ def test_token_file_scopes_tokens_to_a_job_a_prefix_and_a_rank(tmp_path: Path) -
 def test_the_scope_is_bound_around_streaming_handlers_too() -> None:
     seen: list[str] = []
 
-    def stream(request: object, context: object) -> Iterator[str]:
+    async def stream(request: object, context: object) -> AsyncIterator[str]:
         try:
             check_scope("other", 0)
         except PermissionDeniedError as error:
             seen.append(str(error))
         yield "done"
 
-    handler = bind_scope(grpc.unary_stream_rpc_method_handler(stream), TokenScope("mine", 0))
-    assert list(handler.unary_stream(None, None)) == ["done"]
+    async def drain() -> list[str]:
+        handler = bind_scope(grpc.unary_stream_rpc_method_handler(stream), TokenScope("mine", 0))
+        return [item async for item in handler.unary_stream(None, None)]
+
+    assert asyncio.run(drain()) == ["done"]
     assert seen == ["this token is bound to job 'mine', rank 0; the request says job_id='other', rank=0"]
     check_scope("other", 0)  # outside the call no scope is bound
 
