@@ -117,7 +117,7 @@ class AggregatorServer:
         self.policy = policy
         self.options = options
         self.limits = limits or ServiceLimits()
-        self.metrics = RoundMetrics() if options.metrics_port is not None else None
+        self.metrics = RoundMetrics(max_jobs=self.limits.max_jobs) if options.metrics_port is not None else None
         self.metrics_port: int | None = None
         self._jobs_finished = 0
         self._jobs_finished_lock = threading.Lock()  # not _stop_lock: a stop holds that while Leaves finish

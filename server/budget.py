@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import sys
 import threading
 
-import numpy as np
-
 from gradq.server.errors import ResourceExhaustedError
 
-__all__ = ["MemoryAccount", "MemoryBudget", "return_free_memory", "mapped_float32"]
-
-# Arrays at least this large get pages of their own (see ``mapped_float32``).
-_MAPPED_MIN_BYTES = 1 << 20
+__all__ = ["MemoryAccount", "MemoryBudget", "return_free_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -116,27 +110,3 @@ def return_free_memory() -> bool:
         return False
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
     return bool(trim(0))
-
-
-def mapped_float32(numel: int) -> np.ndarray:
-    """An uninitialized float32 array that gives its memory back to the OS when it is dropped.
-
-    A round's accumulator lives only as long as its round. From the heap
-    (where gradq.proto.transport keeps blocks of up to 32 MiB for gRPC's
-    buffers) the freed accumulators of a burst of rounds stay resident,
-    fragmented between longer-lived blocks; an anonymous mapping of its own
-    is unmapped when the last view of it goes. The price is one zero-filled
-    page fault per 4 KiB on first write, a fraction of decoding into it
-    (bench/abuse.py measures the step time either way). Small arrays come
-    from the heap as usual.
-
-    Args:
-        numel: elements.
-
-    Returns:
-        A 1-D float32 array of ``numel`` elements.
-    """
-    nbytes = 4 * numel
-    if nbytes < _MAPPED_MIN_BYTES:
-        return np.empty(numel, np.float32)
-    return np.frombuffer(mmap.mmap(-1, nbytes), np.float32)

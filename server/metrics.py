@@ -7,6 +7,10 @@ does it cost (error of the mean sent back, round latency, straggler wait).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gradq.proto.convert import DTYPE_BYTES
@@ -15,13 +19,29 @@ from gradq.server.reports import RoundReport
 __all__ = ["RoundMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Jobs whose series are kept (the server passes --max-jobs); the one that finished a round longest ago goes first.
+DEFAULT_MAX_JOB_SERIES = 1024
 
 
 class RoundMetrics:
-    """A RoundObserver that keeps Prometheus series in its own registry."""
+    """A RoundObserver that keeps Prometheus series in its own registry.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    Series are labelled by job, and jobs come and go for as long as the
+    aggregator runs (or as fast as a client invents job ids), so the series
+    of at most ``max_jobs`` jobs are kept: those that finished a round most
+    recently. An evicted job's series disappear from /metrics.
+
+    Args:
+        registry: where the series live (a new one by default).
+        max_jobs: jobs whose series are kept at once.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_jobs: int = DEFAULT_MAX_JOB_SERIES) -> None:
         self.registry = registry or CollectorRegistry()
+        self.max_jobs = max_jobs
+        self._lock = threading.Lock()  # rounds finish on any of the server's threads
+        # job -> the (metric, label values) series it has, oldest job first.
+        self._jobs: OrderedDict[str, set[tuple[Any, tuple[str, ...]]]] = OrderedDict()
         job = ["job"]
         self.rounds = Counter(
             "gradq_rounds",
@@ -81,26 +101,43 @@ class RoundMetrics:
 
     def round_finished(self, report: RoundReport) -> None:
         """Record one finished round."""
+        with self._lock:
+            self._record(report)
+
+    def _series(self, metric: Any, job: str, *labels: str) -> Any:
+        self._jobs[job].add((metric, (job, *labels)))
+        return metric.labels(job, *labels)
+
+    def _record(self, report: RoundReport) -> None:
         job = report.job_id
-        self.rounds.labels(job, report.outcome, report.reason or "none").inc()
-        self.round_seconds.labels(job).observe(report.seconds)
+        if job in self._jobs:
+            self._jobs.move_to_end(job)
+        else:
+            self._jobs[job] = set()
+            while len(self._jobs) > self.max_jobs:
+                _, evicted = self._jobs.popitem(last=False)
+                for metric, labels in evicted:
+                    metric.remove(*labels)
+        series = self._series
+        series(self.rounds, job, report.outcome, report.reason or "none").inc()
+        series(self.round_seconds, job).observe(report.seconds)
         if report.outcome == "failed":
             return
         fp32 = 4 * report.numel * report.contributors
-        self.contributions.labels(job).inc(report.contributors)
-        self.received_bytes.labels(job).inc(report.received_bytes)
-        self.sent_bytes.labels(job).inc(report.sent_bytes)
-        self.fp32_bytes.labels(job).inc(fp32)
+        series(self.contributions, job).inc(report.contributors)
+        series(self.received_bytes, job).inc(report.received_bytes)
+        series(self.sent_bytes, job).inc(report.sent_bytes)
+        series(self.fp32_bytes, job).inc(fp32)
         uncompressed = DTYPE_BYTES[report.dtype] * report.numel * report.contributors
-        self.uncompressed_bytes.labels(job, report.dtype).inc(uncompressed)
+        series(self.uncompressed_bytes, job, report.dtype).inc(uncompressed)
         if report.received_bytes:
-            self.compression_ratio.labels(job).set(uncompressed / report.received_bytes)
+            series(self.compression_ratio, job).set(uncompressed / report.received_bytes)
         if report.relative_error is not None:
-            self.relative_error.labels(job).set(report.relative_error)
-        self.straggler_seconds.labels(job).observe(report.straggler_seconds)
+            series(self.relative_error, job).set(report.relative_error)
+        series(self.straggler_seconds, job).observe(report.straggler_seconds)
         if report.slowest_rank >= 0:
-            self.slowest_rank.labels(job).set(report.slowest_rank)
-            self.slowest_rank_rounds.labels(job, str(report.slowest_rank)).inc()
+            series(self.slowest_rank, job).set(report.slowest_rank)
+            series(self.slowest_rank_rounds, job, str(report.slowest_rank)).inc()
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         """Expose /metrics over HTTP on ``port`` (0 picks one); returns the bound port."""

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from gradq.qcore import encode
 from gradq.server.budget import MemoryBudget
+from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
 from gradq.server.jobs import Job, JobTable
 from gradq.server.policy import RoundPolicy, return_config_for
@@ -31,6 +32,7 @@ class RoundCloser:
         policy: quorum and return scheme.
         jobs: the job table (its lock guards every job's rounds).
         budget: charged for accumulators, then for retained means.
+        accumulators: where a finished round's accumulator goes for the next round.
         package: turns a result into its wire answer, once per round.
         observer: told about every finished round (metrics).
     """
@@ -40,12 +42,14 @@ class RoundCloser:
         policy: RoundPolicy,
         jobs: JobTable,
         budget: MemoryBudget,
+        accumulators: AccumulatorPool,
         package: Callable[[RoundResult], object] | None,
         observer: RoundObserver | None,
     ) -> None:
         self.policy = policy
         self._jobs = jobs
         self._budget = budget
+        self._accumulators = accumulators
         self._package = package
         self._observer = observer
         self.counters = {
@@ -109,7 +113,10 @@ class RoundCloser:
 
     def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
-        rnd.accumulator = None
+        if rnd.accumulator is not None:
+            # Nothing else refers to it: the mean was encoded into arrays of its own.
+            self._accumulators.give(rnd.accumulator)
+            rnd.accumulator = None
         retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
         self._budget.adjust(rnd.charged, retained, job.memory)
         rnd.charged = retained

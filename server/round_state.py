@@ -10,7 +10,6 @@ from typing import Protocol
 import numpy as np
 
 from gradq.qcore import QuantizedArray, decode, decode_accumulate
-from gradq.server.budget import mapped_float32
 from gradq.server.errors import RoundError
 from gradq.server.policy import PushedGrid
 
@@ -68,7 +67,7 @@ class Round:
         "wakers_lock",
     )
 
-    def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float) -> None:
+    def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float, accumulator: np.ndarray) -> None:
         self.step = step
         self.bucket = bucket
         # The first contribution fixes numel and, by default, the return grid.
@@ -77,7 +76,7 @@ class Round:
         self.lock = threading.Lock()
         self.done = threading.Event()
         # Filled by the first decoded contribution, so it is never zeroed (a memset of the whole bucket).
-        self.accumulator: np.ndarray | None = mapped_float32(pushed.numel)
+        self.accumulator: np.ndarray | None = accumulator  # pushed.numel float32 elements
         self.decoded = 0  # contributions in the accumulator
         self.averaged = False  # the last contribution already divided the sum by the ranks
         self.non_finite: set[int] = set()  # ranks that reported NaN/Inf (under the skip policy)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gradq.qcore import QuantizedArray
 from gradq.server.budget import MemoryBudget
+from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import (
     CancelledError,
     FailedPreconditionError,
@@ -74,7 +75,8 @@ class RoundTable:
         self._clock = clock
         self.jobs = JobTable(self.limits, policy.world_size)
         self.budget = MemoryBudget(self.limits.max_memory_bytes)
-        self._closer = RoundCloser(policy, self.jobs, self.budget, package, observer)
+        self.accumulators = AccumulatorPool()
+        self._closer = RoundCloser(policy, self.jobs, self.budget, self.accumulators, package, observer)
         self.counters = self._closer.counters
         self._job_finished = job_finished
 
@@ -240,15 +242,16 @@ class RoundTable:
                 f"{job.describe()} has {len(job.open)} rounds open, its limit (--max-open-rounds="
                 f"{self.limits.max_open_rounds}); finish them before starting round (step={step}, bucket={bucket})"
             )
-        accumulator = 4 * tensor.numel
-        self.budget.charge(accumulator, f"round (job={job.job_id!r}, step={step}, bucket={bucket})", job.memory)
+        charge = 4 * tensor.numel
+        self.budget.charge(charge, f"round (job={job.job_id!r}, step={step}, bucket={bucket})", job.memory)
         grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
         try:
-            rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s)
+            accumulator = self.accumulators.take(tensor.numel)
         except MemoryError:
-            self.budget.adjust(accumulator, 0, job.memory)
+            self.budget.adjust(charge, 0, job.memory)
             raise
-        rnd.charged = accumulator
+        rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s, accumulator)
+        rnd.charged = charge
         job.rounds[(step, bucket)] = rnd
         job.open.add(rnd)
         if job.first_step < 0:
@@ -335,6 +338,7 @@ class RoundTable:
         for job, rnd in due:
             self.close_if_due(job, rnd)
         self._retire(self.jobs.expire(self._clock()))
+        self.accumulators.drop_idle()
 
     def close(self) -> None:
         """Refuse new jobs and rounds; rounds in flight may still complete."""

@@ -13,6 +13,7 @@ that every RPC of the .proto has a handler here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -49,17 +50,16 @@ class RawRequest:
 class LoopWaker:
     """Wakes a call waiting on the event loop; a round sets it from whichever thread finished it."""
 
-    __slots__ = ("_loop", "_event")
+    __slots__ = ("_event", "_loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
         self._loop = loop
         self._event = event
 
     def set(self) -> None:
-        try:
+        # A closed loop raises RuntimeError: the server has stopped and its calls are gone.
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._event.set)
-        except RuntimeError:
-            pass  # the loop is closed: the server has stopped and its calls are gone
 
 
 class AggregatorServicer:

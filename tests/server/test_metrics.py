@@ -12,7 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.metrics import RoundMetrics
 from gradq.server.policy import RoundPolicy
+from gradq.server.reports import RoundReport
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -71,3 +73,28 @@ def test_metrics_match_the_rounds_that_happened() -> None:
         if ("gradq_slowest_rank_rounds_total", (("job", "m"), ("rank", r))) in metrics
     ]
     assert sum(slowest) == 2
+
+
+def _report(job: str, outcome: str = "completed") -> RoundReport:
+    return RoundReport(job, outcome, "", 2, 10, 100, 100, 0.01, 0.0, 1, 0.001)
+
+
+def _jobs_with_series(metrics: RoundMetrics) -> set[str]:
+    return {
+        sample.labels["job"]
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if "job" in sample.labels
+    }
+
+
+def test_the_series_of_at_most_max_jobs_jobs_are_kept() -> None:
+    metrics = RoundMetrics(max_jobs=2)
+    for job in ("a", "b"):
+        metrics.round_finished(_report(job))
+    metrics.round_finished(_report("a", "failed"))  # "a" finished a round more recently than "b"
+    metrics.round_finished(_report("c"))
+    assert _jobs_with_series(metrics) == {"a", "c"}
+    for number in range(100):  # a client inventing job ids cannot grow /metrics
+        metrics.round_finished(_report(f"storm-{number}", "failed"))
+    assert _jobs_with_series(metrics) == {"storm-98", "storm-99"}
