@@ -51,6 +51,8 @@ _RESERVED_CALLS = 64
 _SWEEP_PERIOD_S = 0.25
 # Return freed heap to the OS once the budget's use has fallen by this much since the last time.
 _TRIM_AFTER_BYTES = 16 << 20
+# ... and at least this often (malloc_trim takes well under a millisecond here).
+_TRIM_EVERY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,13 +227,15 @@ class AggregatorServer:
     def _sweep(self) -> None:
         """Close rounds nobody waits for at their deadline, expire idle jobs, give freed memory back."""
         peak = 0  # the most bytes in use since memory was last given back
+        trimmed_at = time.monotonic()
         while not self._stopped.wait(_SWEEP_PERIOD_S):
             self.table.sweep()
             in_use = self.table.budget.in_use
             peak = max(peak, in_use)
-            if in_use < peak - _TRIM_AFTER_BYTES:
+            # Also now and then: gRPC's buffers and parsed requests are heap the budget does not see.
+            if in_use < peak - _TRIM_AFTER_BYTES or time.monotonic() - trimmed_at > _TRIM_EVERY_S:
                 return_free_memory()
-                peak = in_use
+                peak, trimmed_at = in_use, time.monotonic()
 
     def stop(self) -> None:
         """Go NOT_SERVING, let rounds in flight finish within the grace period, then stop."""

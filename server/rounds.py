@@ -176,12 +176,27 @@ class RoundTable:
             ResourceExhaustedError: the memory budget or the job's open rounds are used up.
             UnavailableError: the aggregator is shutting down and the round is new.
         """
+        ticket = self.admit(job_id, step, bucket, rank, tensor, incarnation)
+        self.add(ticket, tensor, non_finite)
+        return ticket
+
+    def admit(
+        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
+    ) -> RoundTicket:
+        """``push``'s first half: every check that can refuse, and the round found or opened. Never decodes.
+
+        Cheap (no pass over the payload, only the job table's lock), so the
+        server runs it on its event loop: a flood of pushes that are refused
+        never queues ahead of other jobs' decoding.
+
+        Raises:
+            See ``push``.
+        """
         if tensor.numel > self.policy.max_bucket_elements:
             raise InvalidArgumentError(
                 f"tensor.numel={tensor.numel} is too large; this aggregator accepts buckets of up to "
                 f"{self.policy.max_bucket_elements} elements (--max-bucket-elements)"
             )
-        digest = contribution_digest(tensor, non_finite)
         with self.jobs.lock:
             job = self.jobs.member(job_id, rank, incarnation, self._clock())
             check_grid(job, tensor)
@@ -196,10 +211,20 @@ class RoundTable:
                     f"tensor.numel={tensor.numel} does not match numel={rnd.pushed.numel} of "
                     f"{rnd.describe(job_id)}; every rank must send the same bucket size"
                 )
+        return RoundTicket(job, rnd, rank)
+
+    def add(self, ticket: RoundTicket, tensor: QuantizedArray, non_finite: bool = False) -> None:
+        """``push``'s second half: dequantize the admitted contribution into its round, finishing it if last.
+
+        Raises:
+            FailedPreconditionError: a resend whose content differs from what was counted.
+        """
+        job, rnd, rank = ticket.job, ticket.round, ticket.rank
+        digest = contribution_digest(tensor, non_finite)
         with rnd.lock:
             if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
                 raise FailedPreconditionError(
-                    f"{rnd.describe(job_id)} already counted a different bucket from rank={rank}; "
+                    f"{rnd.describe(job.job_id)} already counted a different bucket from rank={rank}; "
                     f"a resend must carry the same content (retry with the original payload)"
                 )
             if not rnd.done.is_set() and rank not in rnd.contributors:
@@ -207,9 +232,9 @@ class RoundTable:
                     rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
-                    error = InvalidArgumentError(f"{rnd.describe(job_id)} failed: {reason}")
+                    error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
                     self._closer.fail(job, rnd, error, "non_finite")
-                    return RoundTicket(job, rnd, rank)
+                    return
                 else:
                     rnd.non_finite.add(rank)
                 rnd.contributors.add(rank)
@@ -218,7 +243,6 @@ class RoundTable:
                 rnd.received_bytes += tensor.nbytes
                 if len(rnd.contributors) == job.world_size:
                     self._closer.finish(job, rnd)
-        return RoundTicket(job, rnd, rank)
 
     def _superseded_failure(self, rnd: Round) -> bool:
         """A round that failed for lack of ranks, old enough that a new push starts it afresh.

@@ -23,7 +23,7 @@ import grpc
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
 from gradq.server.auth import check_scope
-from gradq.server.errors import RoundError
+from gradq.server.errors import ResourceExhaustedError, RoundError
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.waiting import WaitingCalls, peer_host
 
@@ -32,6 +32,11 @@ __all__ = ["AggregatorServicer", "add_aggregator_to_server", "aggregator_handler
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 
 T = TypeVar("T")
+
+# Requests up to this size are parsed on the event loop (tens of microseconds); larger ones on the pool.
+_PARSE_ON_LOOP_BYTES = 1 << 20
+# How long a push refused for want of memory or open rounds waits for its answer (bench/abuse.py).
+_REFUSAL_PAUSE_S = 0.1
 
 
 class RawRequest:
@@ -65,10 +70,11 @@ class LoopWaker:
 class AggregatorServicer:
     """Thin: every method is decode -> RoundTable -> encode, on grpc.aio's event loop.
 
-    Work that takes the round locks (joining, decoding and accumulating a
-    push, averaging, leaving) runs on the loop's default executor, a small
-    thread pool; a PushPull then waits for its round as a coroutine, so a
-    parked call costs no thread. The calls are capped (``WaitingCalls``)
+    Checks that can refuse a push run on the loop, without a pass over its
+    payload. Work that takes the round locks (joining, decoding and
+    accumulating a push, averaging, leaving) runs on the loop's default
+    executor, a small thread pool; a PushPull then waits for its round as a
+    coroutine, so a parked call costs no thread. The calls are capped (``WaitingCalls``)
     for their memory. ``asyncio.to_thread`` carries the call's token scope
     into the pool.
 
@@ -92,30 +98,45 @@ class AggregatorServicer:
         return serde.join_to_proto(world_size, joined, self.server_id).SerializeToString()
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
-        # Parsed on the pool: the loop never spends time proportional to a payload.
-        contribution = await _in_pool(context, serde.contribution_from_bytes, raw.take())
+        data = raw.take()
+        # A large payload is parsed (copied) on the pool, so no call holds up the loop for long.
+        parse_on = _call if len(data) <= _PARSE_ON_LOOP_BYTES else _in_pool
+        contribution = await parse_on(context, serde.contribution_from_bytes, data)
+        del data
         job_id = contribution.job_id
         await _call(context, check_scope, job_id, contribution.rank)
         peer = peer_host(context.peer())
         await _call(context, self.waiting.acquire, job_id, peer)
         try:
-            ticket = await _in_pool(
-                context,
-                self.table.push,
-                job_id,
-                contribution.step,
-                contribution.bucket,
-                contribution.rank,
-                contribution.tensor,
-                contribution.non_finite,
-                contribution.incarnation,
-            )
+            # Every check that can refuse runs here on the loop; only admitted pushes reach the pool.
+            ticket = await self._admit(contribution, context)
+            await _in_pool(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
             del contribution  # accumulated: nothing of the payload need outlive the push
             result = await self._wait(ticket, context)
         finally:
             self.waiting.release(job_id, peer)
         assert isinstance(result.packaged, bytes), "the table packages every result"
         return result.packaged
+
+    async def _admit(self, contribution: serde.Contribution, context: grpc.aio.ServicerContext) -> RoundTicket:
+        """The push's round, or the call's refusal."""
+        try:
+            return self.table.admit(
+                contribution.job_id,
+                contribution.step,
+                contribution.bucket,
+                contribution.rank,
+                contribution.tensor,
+                contribution.incarnation,
+            )
+        except ResourceExhaustedError as error:
+            # Out of memory budget or rounds: answered after a pause, holding the call's waiting
+            # slot but no thread, so a client that retries at once cannot turn refusals (each
+            # costs gRPC ~0.5 ms of CPU) into a flood that starves the other jobs.
+            await asyncio.sleep(_REFUSAL_PAUSE_S)
+            await _abort(context, error)
+        except RoundError as error:
+            await _abort(context, error)
 
     async def _wait(self, ticket: RoundTicket, context: grpc.aio.ServicerContext) -> RoundResult:
         """Wait for the ticket's round without holding a thread.
