@@ -148,7 +148,7 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "GRADQ_MAX_WAITING_CALLS",
         int,
         _LIMITS.max_waiting_calls,
-        "PushPull calls waiting at once in all (each holds no thread, about 10 KB); past it, RESOURCE_EXHAUSTED",
+        "PushPull calls waiting at once in all (each holds no thread, ~25 KB); past it, RESOURCE_EXHAUSTED",
     ),
     (
         "--max-message-bytes",

@@ -44,7 +44,7 @@ class ServiceLimits:
         max_waiting_per_peer: PushPull calls from one client host waiting at once.
         max_waiting_calls: PushPull calls waiting at once in all. A waiting call
             holds no thread, only its coroutine and gRPC's call state (about
-            10 KB; bench/abuse.py), so this bounds memory, not threads.
+            25 KB with a small round of its own, measured), so this bounds memory.
     """
 
     max_steps_ahead: int = 4
@@ -56,7 +56,7 @@ class ServiceLimits:
     max_job_memory_bytes: int = -1  # -1: a quarter of max_memory_bytes
     max_waiting_per_job: int = 1024
     max_waiting_per_peer: int = 1024
-    max_waiting_calls: int = 8192
+    max_waiting_calls: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
