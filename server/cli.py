@@ -121,6 +121,14 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         _LIMITS.max_jobs,
         "jobs known at once; a Join for a new job past it is refused",
     ),
+    (
+        "--max-jobs-per-peer",
+        "GRADQ_MAX_JOBS_PER_PEER",
+        int,
+        -1,
+        "jobs one client host may have started that the aggregator still holds (-1: --max-jobs); set it lower "
+        "where untrusted hosts share the aggregator; past it, RESOURCE_EXHAUSTED",
+    ),
     ("--max-world-size", "GRADQ_MAX_WORLD_SIZE", int, _LIMITS.max_world_size, "largest world_size a Join may ask for"),
     (
         "--job-idle-timeout",
@@ -299,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_steps_ahead=args.max_steps_ahead,
             max_open_rounds=args.max_open_rounds,
             max_jobs=args.max_jobs,
+            max_jobs_per_peer=args.max_jobs_per_peer,
             max_world_size=args.max_world_size,
             job_idle_timeout_s=args.job_idle_timeout,
             max_memory_bytes=args.max_memory_bytes,

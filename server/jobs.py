@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
@@ -47,6 +48,7 @@ class Job:
     incarnation: str
     last_active: float
     memory: MemoryAccount  # its share of the memory budget
+    creator: str = ""  # the client host whose Join started it (counted against --max-jobs-per-peer)
     joined: set[int] = field(default_factory=set)
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
     rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
@@ -88,9 +90,15 @@ class JobTable:
         self.lock = threading.Lock()
         self.closing = False
         self._jobs: dict[str, Job] = {}
+        self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
 
-    def join(self, job_id: str, rank: int, world_size: int, incarnation: str, now: float) -> tuple[Job, list[Retired]]:
+    def join(
+        self, job_id: str, rank: int, world_size: int, incarnation: str, now: float, peer: str = ""
+    ) -> tuple[Job, list[Retired]]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
+
+        ``peer`` is the calling client host; a Join that starts a job counts
+        against that host's --max-jobs-per-peer until the job is forgotten.
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation).
@@ -98,7 +106,8 @@ class JobTable:
         Raises:
             InvalidArgumentError: bad job id, world size or rank.
             FailedPreconditionError: world size disagrees, or the incarnation was superseded.
-            ResourceExhaustedError: --max-jobs jobs exist already.
+            ResourceExhaustedError: --max-jobs jobs exist already, or ``peer`` has
+                started --max-jobs-per-peer of them.
             UnavailableError: the aggregator is shutting down.
         """
         _check_job_id(job_id)
@@ -117,14 +126,21 @@ class JobTable:
                 reason = f"superseded: {job.describe()} was restarted as {describe_incarnation(incarnation)}"
                 retired.append(self._forget(job, reason))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
-                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded)
+                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded, peer)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(
                         f"job {job_id!r} cannot start: this aggregator holds {len(self._jobs)} jobs, its limit "
                         f"(--max-jobs={self.limits.max_jobs}); idle jobs expire after --job-idle-timeout"
                     )
-                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, ())
+                if self._started_by[peer] >= self.limits.max_jobs_per_peer:
+                    raise ResourceExhaustedError(
+                        f"job {job_id[:64]!r} cannot start: client {peer or 'unknown'} has started "
+                        f"{self._started_by[peer]} jobs this aggregator still holds, its limit "
+                        f"(--max-jobs-per-peer={self.limits.max_jobs_per_peer}); idle jobs expire after "
+                        f"--job-idle-timeout"
+                    )
+                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, (), peer)
             elif job.world_size != world_size:
                 raise FailedPreconditionError(
                     f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
@@ -202,15 +218,21 @@ class JobTable:
         """Every current job. Caller holds ``lock``."""
         return list(self._jobs.values())
 
-    def _new_job(self, job_id: str, world_size: int, incarnation: str, now: float, superseded: tuple[str, ...]) -> Job:
+    def _new_job(
+        self, job_id: str, world_size: int, incarnation: str, now: float, superseded: tuple[str, ...], peer: str
+    ) -> Job:
         account = MemoryAccount(
             f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
         )
-        return Job(job_id, world_size, incarnation, now, account, superseded=superseded)
+        self._started_by[peer] += 1
+        return Job(job_id, world_size, incarnation, now, account, creator=peer, superseded=superseded)
 
     def _forget(self, job: Job, reason: str) -> Retired:
         job.retired = True
         del self._jobs[job.job_id]
+        self._started_by[job.creator] -= 1
+        if not self._started_by[job.creator]:
+            del self._started_by[job.creator]
         return Retired(job, reason)
 
     def _check_world(self, world_size: int, rank: int) -> None:

@@ -33,6 +33,10 @@ class ServiceLimits:
             round's step). Covers pipelining; a stray far-future step is refused.
         max_open_rounds: rounds of one job in flight at once.
         max_jobs: jobs known at once; a Join for a new job past it is refused.
+        max_jobs_per_peer: jobs that Joins from one client host may have started
+            and the table still knows. By default ``max_jobs`` (no limit of its
+            own); set it lower where untrusted hosts share the aggregator, so one
+            host inventing job ids cannot take the whole table from the others.
         max_world_size: largest ``world_size`` a Join may ask for.
         job_idle_timeout_s: a job with no Join, PushPull or Leave this long is
             forgotten (its rounds fail), so abandoned jobs do not pile up.
@@ -50,6 +54,7 @@ class ServiceLimits:
     max_steps_ahead: int = 4
     max_open_rounds: int = 256
     max_jobs: int = 1024
+    max_jobs_per_peer: int = -1  # -1: max_jobs
     max_world_size: int = 1024
     job_idle_timeout_s: float = 600.0
     max_memory_bytes: int = -1  # -1: default_memory_budget(), resolved in __post_init__
@@ -61,11 +66,14 @@ class ServiceLimits:
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
             object.__setattr__(self, "max_memory_bytes", default_memory_budget())
+        if self.max_jobs_per_peer == -1:
+            object.__setattr__(self, "max_jobs_per_peer", self.max_jobs)
         if self.max_job_memory_bytes == -1:
             object.__setattr__(self, "max_job_memory_bytes", max(1, self.max_memory_bytes // 4))
         for name in (
             "max_open_rounds",
             "max_jobs",
+            "max_jobs_per_peer",
             "max_world_size",
             "max_memory_bytes",
             "max_job_memory_bytes",

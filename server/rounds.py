@@ -82,7 +82,9 @@ class RoundTable:
 
     # -- membership -------------------------------------------------------------------------
 
-    def join(self, job_id: str, rank: int, world_size: int, incarnation: str = "") -> tuple[int, int]:
+    def join(
+        self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = ""
+    ) -> tuple[int, int]:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Returns:
@@ -92,7 +94,7 @@ class RoundTable:
             InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
             UnavailableError: see ``JobTable.join``.
         """
-        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock())
+        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock(), peer)
         self._retire(retired)
         with self.jobs.lock:
             return job.world_size, len(job.joined)

@@ -92,8 +92,9 @@ class AggregatorServicer:
     async def Join(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.join_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
+        peer = peer_host(context.peer())
         world_size, joined = await _in_pool(
-            context, self.table.join, request.job_id, request.rank, request.world_size, request.incarnation
+            context, self.table.join, request.job_id, request.rank, request.world_size, request.incarnation, peer
         )
         return serde.join_to_proto(world_size, joined, self.server_id).SerializeToString()
 

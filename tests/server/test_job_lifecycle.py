@@ -1,4 +1,4 @@
-"""A job's runs driven on the round table: the step window, incarnations, every rank leaving, idle expiry."""
+"""A job's runs on the round table: step window, incarnations, every rank leaving, idle expiry, per-host caps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
-from gradq.server.errors import FailedPreconditionError, RoundAbortedError
+from gradq.server.errors import FailedPreconditionError, ResourceExhaustedError, RoundAbortedError
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable, RoundTicket
@@ -113,3 +113,19 @@ def test_idle_jobs_expire_and_their_rounds_fail() -> None:
     assert table.active_jobs() == {} and table.budget.in_use == 0
     with pytest.raises(RoundAbortedError, match="was idle for more than 60 s"):
         table.wait(ticket)
+
+
+def test_5b_one_host_inventing_job_ids_cannot_take_the_whole_table() -> None:
+    limits = ServiceLimits(max_jobs=20, max_jobs_per_peer=5, job_idle_timeout_s=60.0)
+    table = RoundTable(RoundPolicy(), limits=limits)
+    for number in range(5):
+        table.join(f"storm-{number}", 0, 2, peer="ipv4:10.0.0.66")
+    with pytest.raises(ResourceExhaustedError, match=r"client ipv4:10\.0\.0\.66 has started 5 jobs .*"
+                       r"--max-jobs-per-peer=5"):  # fmt: skip
+        table.join("storm-5", 0, 2, peer="ipv4:10.0.0.66")
+    assert table.join("legit", 0, 2, peer="ipv4:10.0.0.7") == (2, 1)  # another host still starts its job
+    table.join("storm-0", 1, 2, peer="ipv4:10.0.0.66")  # joining a job it started is not starting one
+    table.leave("storm-0", 0)
+    table.leave("storm-0", 1)  # forgotten: its slot is free again
+    table.join("storm-5", 0, 2, peer="ipv4:10.0.0.66")
+    assert len(table.active_jobs()) == 6
