@@ -82,9 +82,7 @@ class RoundTable:
 
     # -- membership -------------------------------------------------------------------------
 
-    def join(
-        self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = ""
-    ) -> tuple[int, int]:
+    def join(self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = "") -> tuple[int, int]:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Returns:
