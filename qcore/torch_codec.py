@@ -91,7 +91,7 @@ def to_host(encoding: DeviceEncoding, scheme: Scheme, numel: int, dtype: str) ->
     crossings.add(host.nbytes, 0)
     # Scales first: the float32 and int32 views then start on 4-byte boundaries.
     scale_end = encoding.scale.numel() * 4
-    zero_point_end = 2 * scale_end
+    zero_point_end = scale_end + encoding.zero_point.numel() * 4
     return QuantizedArray(
         scheme,
         encoding.bits,
