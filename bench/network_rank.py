@@ -63,6 +63,9 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
+    Method("gradq2ef-2-c20", "gradq 2-bit + EF, 2 shards, 2^20 rounds", 2, True, 2, chunk_elements=1 << 20),
+    Method("gradq2ef-2-c21", "gradq 2-bit + EF, 2 shards, 2^21 rounds", 2, True, 2, chunk_elements=1 << 21),
+    Method("gradq4ef-2-c20", "gradq 4-bit + EF, 2 shards, 2^20 rounds", 4, True, 2, chunk_elements=1 << 20),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
@@ -176,7 +179,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
             error_feedback=method.error_feedback,
             job_id=f"{spec.job_prefix}-{method.key}",
             connect_timeout_s=60.0,
-            chunk_elements=spec.chunk_elements,
+            chunk_elements=method.chunk_elements or spec.chunk_elements,
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":

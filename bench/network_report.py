@@ -35,6 +35,7 @@ class Method:
     error_feedback: bool = False  # gradq: carry quantization error into the next step
     shards: int = 0  # gradq: aggregator shards used
     scheme: str = "per_channel_affine"  # gradq push scheme
+    chunk_elements: int = 0  # gradq: largest round; 0: the run's --chunk-elements
 
 
 @dataclass(frozen=True, slots=True)

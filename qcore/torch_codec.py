@@ -196,7 +196,8 @@ class TorchErrorFeedback:
             The encoded compensated values (host).
         """
         compensated = x.detach().reshape(-1).to(torch.float32, copy=True)
-        residual = self._residuals.get(key)
+        # Popped until the encode succeeds: a NaN/Inf bucket leaves no residual, as in the numpy one.
+        residual = self._residuals.pop(key, None)
         if residual is not None and residual.numel() == compensated.numel():
             compensated += residual
         else:

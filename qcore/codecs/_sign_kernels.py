@@ -1,7 +1,8 @@
 """Numba kernels behind the scaled-sign codec: channel means and sign bits in one pass per channel.
 
 Imported on the first sign encode or decode (numba costs ~0.5 s to import);
-compiled code is cached on disk like ``gradq.qcore._kernels``.
+compiled code is cached on disk like ``gradq.qcore._kernels``, whose bit
+packing the codec uses (``pack``, ``unpack``).
 """
 
 import math
@@ -9,17 +10,32 @@ import math
 import numpy as np
 from numba import njit
 
-from gradq.qcore._kernels import channel_range, unpack
+from gradq.qcore._kernels import channel_range, pack, unpack
 from gradq.qcore.codecs.sign import FIXED_POINT_BITS, SMALLEST_SCALE
+
+__all__ = ["decode_signs", "encode_signs", "encode_signs_compensated", "pack"]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _mean_magnitude(values, lo, hi):  # type: ignore[no-untyped-def]
+    """The exact mean ``|v|`` of a channel whose min and max are (lo, hi), as a float32 scale > 0.
+
+    The numpy reference's sum: every ``|v|`` floored to a count of
+    ``2**(e - FIXED_POINT_BITS)`` (``e`` the frexp exponent of the channel's
+    largest ``|v|``), summed in int64, so the order of the sum does not matter.
+    """
+    _, exponent = math.frexp(max(-float(lo), float(hi)))
+    per_unit = math.ldexp(1.0, FIXED_POINT_BITS - exponent)  # exact: a power of two
+    count = np.int64(0)
+    for i in range(values.size):
+        count += np.int64(math.floor(abs(float(values[i])) * per_unit))
+    return max(np.float32(float(count) / per_unit / values.size), np.float32(SMALLEST_SCALE))
 
 
 @njit(cache=True, nogil=True)
-def encode_signs(x, channel_size, scales, payload):  # type: ignore[no-untyped-def]
-    """Each channel's exact mean ``|x|`` into ``scales``, bit i of ``payload`` = ``x[i] >= 0`` (LSB first).
+def encode_signs(x, channel_size, scales, signs):  # type: ignore[no-untyped-def]
+    """Each channel's exact mean ``|x|`` into ``scales``, ``signs[i] = x[i] >= 0``.
 
-    The mean is the numpy reference's: every ``|x|`` floored to a count of
-    ``2**(e - FIXED_POINT_BITS)`` (``e`` the frexp exponent of the channel's
-    largest ``|x|``), summed in int64, so the order of the sum does not matter.
     Returns the first channel holding NaN/Inf or ``|x| >= 2**126``, or -1.
     """
     for c in range(scales.size):
@@ -28,25 +44,41 @@ def encode_signs(x, channel_size, scales, payload):  # type: ignore[no-untyped-d
         lo, hi, in_range = channel_range(x, start, stop)
         if not in_range:
             return c
-        _, exponent = math.frexp(max(-float(lo), float(hi)))
-        per_unit = math.ldexp(1.0, FIXED_POINT_BITS - exponent)  # exact: a power of two
-        count = np.int64(0)
         xs = x[start:stop]
+        scales[c] = _mean_magnitude(xs, lo, hi)
+        out = signs[start:stop]
         for i in range(xs.size):
-            count += np.int64(math.floor(abs(float(xs[i])) * per_unit))
-        scale = np.float32(float(count) / per_unit / (stop - start))
-        scales[c] = max(scale, np.float32(SMALLEST_SCALE))
-    full = x.size // 8
-    for b in range(full):
-        byte = np.uint8(0)
-        for j in range(8):
-            byte |= np.uint8(x[8 * b + j] >= 0) << np.uint8(j)
-        payload[b] = byte
-    if full < payload.size:
-        byte = np.uint8(0)
-        for j in range(x.size - 8 * full):
-            byte |= np.uint8(x[8 * full + j] >= 0) << np.uint8(j)
-        payload[full] = byte
+            out[i] = np.uint8(xs[i] >= 0)
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def encode_signs_compensated(x, residual, channel_size, scales, signs):  # type: ignore[no-untyped-def]
+    """Error feedback fused into ``encode_signs``: c = x + residual is encoded, ``residual <- c - decode``.
+
+    The float32 arithmetic is that of adding, encoding and decoding apart.
+    Returns the first channel whose compensated values are out of range, or -1;
+    channels before it already hold their new residual.
+    """
+    one = np.float32(1.0)
+    two = np.float32(2.0)
+    for c in range(scales.size):
+        start = c * channel_size
+        stop = min(start + channel_size, x.size)
+        xs = x[start:stop]
+        rs = residual[start:stop]
+        for i in range(rs.size):
+            rs[i] = xs[i] + rs[i]
+        lo, hi, in_range = channel_range(residual, start, stop)
+        if not in_range:
+            return c
+        s = _mean_magnitude(rs, lo, hi)
+        scales[c] = s
+        out = signs[start:stop]
+        for i in range(rs.size):
+            bit = np.uint8(rs[i] >= 0)
+            out[i] = bit
+            rs[i] = rs[i] - s * (two * np.float32(bit) - one)
     return -1
 
 

@@ -129,6 +129,35 @@ class Codec(ABC):
     ) -> QuantizedArray:
         """Encode a contiguous flat float32 array (see ``gradq.qcore.encode``)."""
 
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Error feedback's step: encode ``flat + residual`` and leave what it lost in ``residual``.
+
+        Codecs with a fused kernel override this; the result is the same bytes
+        and the same residual as this composition of encode and decode.
+
+        Args:
+            flat: contiguous flat float32 values to send.
+            residual: contiguous float32 array of ``flat.size``: the error carried
+                in, overwritten with the error carried out.
+            config, rng, dtype: as for ``encode``.
+
+        Raises:
+            ValueError: the compensated values hold NaN/Inf or ``|x| >= 2**126``;
+                ``residual`` is then partly overwritten (the caller drops it).
+        """
+        compensated = flat + residual
+        encoded = self.encode(compensated, config, rng, None, dtype)
+        self.dequantize(encoded, residual, accumulate=False, divisor=1)
+        np.subtract(compensated, residual, out=residual)
+        return encoded
+
     @abstractmethod
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
         """``out (+)= decode(q)``, then ``/ divisor`` when accumulating; ``out`` is checked by the caller."""

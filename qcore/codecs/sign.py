@@ -86,13 +86,37 @@ class SignCodec(Codec):
             raise ValueError(f"qparams are not used by scheme={self.name}; its scale is each channel's mean |x|")
         numel, channel_size = flat.size, config.channel_size
         scale = np.empty(self.num_channels(numel, channel_size), np.float32)
-        payload = np.empty(packed_size(numel, 1), np.uint8)
-        bad = _kernels().encode_signs(flat, channel_size, scale, payload)
+        signs = np.empty(numel, np.uint8)
+        bad = _kernels().encode_signs(flat, channel_size, scale, signs)
+        return self._packed(flat, bad, channel_size, scale, signs, dtype)
+
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Compensate, encode and update the residual of each channel in one fused pass."""
+        numel, channel_size = flat.size, config.channel_size
+        scale = np.empty(self.num_channels(numel, channel_size), np.float32)
+        signs = np.empty(numel, np.uint8)
+        bad = _kernels().encode_signs_compensated(flat, residual, channel_size, scale, signs)
+        # The failing channel's compensated values are in ``residual``: the message names them.
+        return self._packed(residual, bad, channel_size, scale, signs, dtype)
+
+    def _packed(
+        self, values: np.ndarray, bad: int, channel_size: int, scale: np.ndarray, signs: np.ndarray, dtype: str
+    ) -> QuantizedArray:
+        """Refuse the kernel's failing channel ``bad`` (if >= 0), else pack the sign bits."""
         if bad >= 0:
             start = bad * channel_size
-            window = flat[start : start + channel_size]
+            window = values[start : start + channel_size]
             refuse_out_of_range(window, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126", start)
-        return QuantizedArray(self.scheme, 1, numel, channel_size, scale, _NO_ZERO_POINTS, payload, dtype)
+        payload = np.empty(packed_size(values.size, 1), np.uint8)
+        _kernels().pack(signs, 1, payload)
+        return QuantizedArray(self.scheme, 1, values.size, channel_size, scale, _NO_ZERO_POINTS, payload, dtype)
 
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
         """``out (+)= scale_c * (+-1)``, then divide, in float32 as the uniform kernel does."""
