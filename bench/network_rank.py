@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.chunks import slow_link_chunk_elements
 from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import QuantConfig, Scheme
 
@@ -63,9 +64,6 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
-    Method("gradq2ef-2-c20", "gradq 2-bit + EF, 2 shards, 2^20 rounds", 2, True, 2, chunk_elements=1 << 20),
-    Method("gradq2ef-2-c21", "gradq 2-bit + EF, 2 shards, 2^21 rounds", 2, True, 2, chunk_elements=1 << 21),
-    Method("gradq4ef-2-c20", "gradq 4-bit + EF, 2 shards, 2^20 rounds", 4, True, 2, chunk_elements=1 << 20),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
@@ -137,7 +135,7 @@ class RankSpec:
     warmup: int
     steps: int
     job_prefix: str  # gradq job ids are <prefix>-<method>
-    chunk_elements: int  # gradq's largest round
+    chunk_elements: int | None  # gradq's largest round; None: the library's slow-link round for the row's grid
     output: str  # where this rank writes its MethodResult list
 
 
@@ -172,6 +170,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
     """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
     if method.bits is not None:
         config = QuantConfig(Scheme.parse(method.scheme), method.bits)
+        chunk_elements = spec.chunk_elements or slow_link_chunk_elements(config)
         addresses = list(spec.aggregators[: method.shards])
         state = GradqHookState(
             addresses,
@@ -179,7 +178,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
             error_feedback=method.error_feedback,
             job_id=f"{spec.job_prefix}-{method.key}",
             connect_timeout_s=60.0,
-            chunk_elements=method.chunk_elements or spec.chunk_elements,
+            chunk_elements=chunk_elements,
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":

@@ -35,7 +35,6 @@ class Method:
     error_feedback: bool = False  # gradq: carry quantization error into the next step
     shards: int = 0  # gradq: aggregator shards used
     scheme: str = "per_channel_affine"  # gradq push scheme
-    chunk_elements: int = 0  # gradq: largest round; 0: the run's --chunk-elements
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +48,7 @@ class Scenario:
     methods: tuple[str, ...]
     warmup: int
     steps: int
-    chunk_elements: int  # gradq's largest round (GradqHookState.chunk_elements)
+    chunk_elements: int | None  # gradq's largest round (GradqHookState.chunk_elements); None: per grid, slow-link
 
     @property
     def aggregator_bottleneck(self) -> bool:
