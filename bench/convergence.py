@@ -189,7 +189,7 @@ CANDIDATE_METHODS = (
     Method(
         "gradq1sign-c32",
         "gradq 1-bit scaled sign + EF, 32-element channels",
-        "gradq1sign-2",
+        "gradq1sign32-2",
         bits=1,
         scheme="per_channel_sign",
         error_feedback=True,

@@ -64,6 +64,7 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
+    Method("gradq1sign32-2", "gradq 1-bit sign + EF, 2 shards, 32-elt channels", 1, True, 2, "per_channel_sign", 32),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
@@ -169,7 +170,7 @@ def _batches(rank: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState | None]:
     """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
     if method.bits is not None:
-        config = QuantConfig(Scheme.parse(method.scheme), method.bits)
+        config = QuantConfig(Scheme.parse(method.scheme), method.bits, method.channel_size)
         chunk_elements = spec.chunk_elements or slow_link_chunk_elements(config)
         addresses = list(spec.aggregators[: method.shards])
         state = GradqHookState(

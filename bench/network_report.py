@@ -35,6 +35,7 @@ class Method:
     error_feedback: bool = False  # gradq: carry quantization error into the next step
     shards: int = 0  # gradq: aggregator shards used
     scheme: str = "per_channel_affine"  # gradq push scheme
+    channel_size: int = 0  # gradq: elements per channel; 0: QuantConfig's default for the bits
 
 
 @dataclass(frozen=True, slots=True)
