@@ -64,7 +64,15 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
-    Method("gradq1sign32-2", "gradq 1-bit sign + EF, 2 shards, 32-elt channels", 1, True, 2, "per_channel_sign", 32),
+    Method(
+        "gradq1sign32-2",
+        "gradq 1-bit sign + EF, 32-element channels, 2 shards",
+        bits=1,
+        error_feedback=True,
+        shards=2,
+        scheme="per_channel_sign",
+        channel_size=32,
+    ),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
