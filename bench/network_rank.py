@@ -21,16 +21,14 @@ import netns
 import torch
 import torch.distributed as dist
 from cpu_busy import read_cpu_times
-from network_report import Method, MethodResult
+from network_report import Method, MethodResult, gradq_grid
 from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB
 from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.chunks import slow_link_chunk_elements
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [
     "MODELS",
@@ -178,8 +176,7 @@ def _batches(rank: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState | None]:
     """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
     if method.bits is not None:
-        config = QuantConfig(Scheme.parse(method.scheme), method.bits, method.channel_size)
-        chunk_elements = spec.chunk_elements or slow_link_chunk_elements(config)
+        config, chunk_elements = gradq_grid(method, spec.chunk_elements)
         addresses = list(spec.aggregators[: method.shards])
         state = GradqHookState(
             addresses,
