@@ -24,7 +24,7 @@ protocol headers included. The hook of each row is wrapped to time its buckets,
 which shows how much of the communication overlaps backward. A last scenario
 limits only the aggregators' links to measure what a second and a fourth shard
 add when the aggregator link is the bottleneck. gradq rows use rounds of at most
-``--chunk-elements`` (default: the library's SLOW_LINK_CHUNK_ELEMENTS, 2^19),
+``--chunk-elements`` (default: the library's ``slow_link_chunk_elements``, 512 KiB of payload per round),
 and the hook's default of two pushes per shard in flight. The report (markdown
 table, targets, PNG plot of step time vs link speed) goes to
 ``bench/results/network-<time>.*``.
@@ -62,7 +62,7 @@ import network_report
 from network_rank import METHOD_BY_KEY, MODELS, RankSpec, rank_main
 from network_report import MethodResult, Row, Scenario
 
-from gradq.client.chunks import SLOW_LINK_CHUNK_ELEMENTS
+from gradq.client.chunks import SLOW_LINK_CHUNK_BYTES
 
 SHARD_METHODS = ("gradq8-1", "gradq8-2", "gradq8-4")  # the bottleneck scenario's rows
 PRESETS: dict[str, dict[str, Any]] = {
@@ -302,9 +302,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chunk-elements",
         type=_positive,
-        default=SLOW_LINK_CHUNK_ELEMENTS,
-        help="gradq's largest round (GradqHookState.chunk_elements): the library's choice for slow links; pass "
-        "2097152 for its default, which suits fast links and loopback",
+        help="gradq's largest round (GradqHookState.chunk_elements) for every gradq row; default: the library's "
+        "choice for slow links, slow_link_chunk_elements (512 KiB of payload: 2^19 elements at 8 bits, 2^21 at "
+        "2); pass 2097152 for its default, which suits fast links and loopback",
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the report files")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
@@ -354,12 +354,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup(args: argparse.Namespace, load_before: float) -> str:
+    rounds = (
+        f"{args.chunk_elements:,} elements"
+        if args.chunk_elements
+        else f"{SLOW_LINK_CHUNK_BYTES // 1024} KiB of payload (slow_link_chunk_elements: 2^19 elements at 8 bits, "
+        "2^20 at 4, 2^21 at 2, 2^22 at 1)"
+    )
     git = subprocess.run(
         ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
     )
     return (
         f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; batch 32, "
-        f"SGD, gloo, 1 thread per rank; gradq rounds of at most {args.chunk_elements:,} elements; "
+        f"SGD, gloo, 1 thread per rank; gradq rounds of at most {rounds}; "
         f"{os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
         "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
         f"1-minute load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it "

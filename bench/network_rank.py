@@ -21,7 +21,7 @@ import netns
 import torch
 import torch.distributed as dist
 from cpu_busy import read_cpu_times
-from network_report import Method, MethodResult
+from network_report import Method, MethodResult, gradq_grid
 from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB
 from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
 from torch import nn
@@ -29,7 +29,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [
     "MODELS",
@@ -63,6 +62,15 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
+    Method(
+        "gradq1sign32-2",
+        "gradq 1-bit sign + EF, 32-element channels, 2 shards",
+        bits=1,
+        error_feedback=True,
+        shards=2,
+        scheme="per_channel_sign",
+        channel_size=32,
+    ),
 )
 METHOD_BY_KEY = {method.key: method for method in METHODS}
 BATCH_SIZE = 32
@@ -134,7 +142,7 @@ class RankSpec:
     warmup: int
     steps: int
     job_prefix: str  # gradq job ids are <prefix>-<method>
-    chunk_elements: int  # gradq's largest round
+    chunk_elements: int | None  # gradq's largest round; None: the library's slow-link round for the row's grid
     output: str  # where this rank writes its MethodResult list
 
 
@@ -168,7 +176,7 @@ def _batches(rank: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState | None]:
     """(hook, its state, the gradq state to close afterwards) for a method that communicates through a hook."""
     if method.bits is not None:
-        config = QuantConfig(Scheme.parse(method.scheme), method.bits)
+        config, chunk_elements = gradq_grid(method, spec.chunk_elements)
         addresses = list(spec.aggregators[: method.shards])
         state = GradqHookState(
             addresses,
@@ -176,7 +184,7 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
             error_feedback=method.error_feedback,
             job_id=f"{spec.job_prefix}-{method.key}",
             connect_timeout_s=60.0,
-            chunk_elements=spec.chunk_elements,
+            chunk_elements=chunk_elements,
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":

@@ -11,7 +11,7 @@ from typing import Any
 import netns
 from cpu_busy import CORES
 
-from gradq.client.chunks import chunk_bounds, chunk_key, shard_for
+from gradq.client.chunks import chunk_bounds, chunk_key, shard_for, slow_link_chunk_elements
 from gradq.qcore import QuantConfig, Scheme
 
 __all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
@@ -35,6 +35,7 @@ class Method:
     error_feedback: bool = False  # gradq: carry quantization error into the next step
     shards: int = 0  # gradq: aggregator shards used
     scheme: str = "per_channel_affine"  # gradq push scheme
+    channel_size: int = 0  # gradq: elements per channel; 0: QuantConfig's default for the bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ class Scenario:
     methods: tuple[str, ...]
     warmup: int
     steps: int
-    chunk_elements: int  # gradq's largest round (GradqHookState.chunk_elements)
+    chunk_elements: int | None  # gradq's largest round (GradqHookState.chunk_elements); None: per grid, slow-link
 
     @property
     def aggregator_bottleneck(self) -> bool:
@@ -128,17 +129,21 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _largest_share(
-    bucket_numels: Sequence[int], shards: int, chunk_elements: int, scheme: str, bits: int
-) -> float | None:
+def gradq_grid(method: Method, chunk_elements: int | None) -> tuple[QuantConfig, int]:
+    """A gradq row's push grid and largest round: the run's ``chunk_elements``, else the library's slow-link round."""
+    config = QuantConfig(Scheme.parse(method.scheme), method.bits or 8, method.channel_size)
+    return config, chunk_elements or slow_link_chunk_elements(config)
+
+
+def _largest_share(bucket_numels: Sequence[int], method: Method, chunk_elements: int | None) -> float | None:
     # The client's own rules: buckets cut into chunk rounds, each round's key picks its shard.
+    shards = method.shards
     if shards < 1 or not bucket_numels:
         return None
+    config, rounds = gradq_grid(method, chunk_elements)
     loads = [0] * shards
     for bucket, numel in enumerate(bucket_numels):
-        for index, (begin, end) in enumerate(
-            chunk_bounds(numel, chunk_elements, QuantConfig(Scheme.parse(scheme), bits).channel_size, shards)
-        ):
+        for index, (begin, end) in enumerate(chunk_bounds(numel, rounds, config.channel_size, shards)):
             loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
     return max(loads) / sum(loads)
 
@@ -158,9 +163,7 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         overlap=_median([(window - after) / window for window, after in steps if window > 0]),
         tx_per_step=statistics.fmean(result.tx_per_step for result in per_rank),
         rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
-        largest_share=_largest_share(
-            first.bucket_numels, method.shards, scenario.chunk_elements, method.scheme, method.bits or 8
-        ),
+        largest_share=_largest_share(first.bucket_numels, method, scenario.chunk_elements),
         numel=first.numel,
         cpu_ms=1e3 * first.cpu_busy_s / len(first.step_s),
         busy=first.cpu_busy_s / first.cpu_total_s if first.cpu_total_s > 0 else None,

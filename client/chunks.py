@@ -11,17 +11,18 @@ import itertools
 import threading
 from typing import Any
 
-from gradq.qcore import channel_count
+from gradq.qcore import QuantConfig, channel_count, codec_for
 
 __all__ = [
     "CHUNK_KEY_STRIDE",
     "DEFAULT_CHUNK_ELEMENTS",
     "MIN_SHARD_SPLIT",
-    "SLOW_LINK_CHUNK_ELEMENTS",
+    "SLOW_LINK_CHUNK_BYTES",
     "assemble",
     "chunk_bounds",
     "chunk_key",
     "shard_for",
+    "slow_link_chunk_elements",
 ]
 
 # Largest round a bucket is cut into, by default. Every round costs gRPC's
@@ -30,12 +31,17 @@ __all__ = [
 # step took 50 ms at 2^21 against 54-56 at 2^20 and 58-62 at 2^19.
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
 
-# The better choice where links, not CPU, set the pace (about 1 Gbit/s or
-# slower): a shard gets several chunks per step, so with the DDP hook's two
-# pushes in flight one chunk arrives while the last one's mean leaves. At world
-# 4 with 2 shards, 8-bit: 208 -> 180 ms at 1 Gbit/s, 1550 -> 1237 ms at
-# 100 Mbit/s; on loopback 50 -> 58..62 ms (bench/network.py, bench/ddp_step.py).
-SLOW_LINK_CHUNK_ELEMENTS = 1 << 19
+# Where links, not CPU, set the pace (about 1 Gbit/s or slower), a round of
+# this many payload bytes: a shard gets several chunks per step, so with the
+# DDP hook's two pushes in flight one chunk arrives while the last one's mean
+# leaves. At world 4 with 2 shards, 8-bit (2^19 elements): 208 -> 180 ms at
+# 1 Gbit/s, 1550 -> 1237 ms at 100 Mbit/s; on loopback 50 -> 58..62 ms
+# (bench/network.py, bench/ddp_step.py). Counted in bytes, not elements: at
+# fewer bits the same elements take less wire time but the same per-round CPU,
+# and 2^19-element rounds made the CPU-bound 1 Gbit/s step slower (world 4,
+# 2 shards: 4-bit + EF 154.3 -> 132.1 ms at 2^20, 1-bit sign 122.4 -> 110.4
+# at 2^22, 2-bit + EF 124.2 -> 119.1 at 2^21).
+SLOW_LINK_CHUNK_BYTES = 1 << 19
 
 # Smallest chunk cut only to spread a bucket over the shards: below this a
 # round's fixed cost (about 1 ms of CPU over the ranks and the aggregator on
@@ -44,6 +50,18 @@ MIN_SHARD_SPLIT = 1 << 16
 
 # A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).
 CHUNK_KEY_STRIDE = 1 << 32
+
+
+def slow_link_chunk_elements(config: QuantConfig) -> int:
+    """The ``chunk_elements`` for links of about 1 Gbit/s or slower: rounds of ``SLOW_LINK_CHUNK_BYTES`` of payload.
+
+    Args:
+        config: the push grid; its codec's bits per element set the count.
+
+    Returns:
+        2^19 elements at 8 bits, 2^20 at 4, 2^21 at 2, 2^22 at 1.
+    """
+    return SLOW_LINK_CHUNK_BYTES * 8 // codec_for(config.scheme).wire_bits(config)
 
 
 def chunk_key(bucket: int, chunk: int) -> int:

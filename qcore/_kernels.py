@@ -295,3 +295,35 @@ def dequantize_into(payload, bits, channel_size, scales, zero_points, out, accum
         else:
             for i in range(dest.size):
                 dest[i] = s * (np.float32(src[i]) - z)
+
+
+@njit(cache=True, nogil=True)
+def quantize_compensated(x, residual, channel_size, qmax, symmetric, noise_key, levels, scales, zero_points):  # type: ignore[no-untyped-def]
+    """Error feedback fused into ``quantize_fused``: ``residual <- c - dequantize(quantize(c))``, c = x + residual.
+
+    Each channel is compensated, observed, quantized and its new residual
+    written while it is still in cache; the float32 arithmetic is that of
+    adding, ``quantize_fused`` and ``dequantize_into`` one after the other.
+    Returns the index of the first channel whose compensated values hold a
+    NaN/Inf, or -1; channels before it already hold their new residual.
+    """
+    for c in range(scales.size):
+        start = c * channel_size
+        stop = min(start + channel_size, x.size)
+        # 0-based slices vectorise, see quantize_channel.
+        xs = x[start:stop]
+        rs = residual[start:stop]
+        for i in range(rs.size):
+            rs[i] = xs[i] + rs[i]
+        lo, hi, finite = channel_range(residual, start, stop)
+        if not finite:
+            return c
+        scale, zero_point = qparams_from_range(float(lo), float(hi), qmax, symmetric, noise_key >= 0)
+        scales[c] = scale
+        zero_points[c] = zero_point
+        quantize_channel(residual, start, stop, scale, zero_point, qmax, noise_key, levels)
+        z = np.float32(zero_point)
+        src = levels[start:stop]
+        for i in range(rs.size):
+            rs[i] = rs[i] - scale * (np.float32(src[i]) - z)
+    return -1

@@ -6,7 +6,8 @@ from collections.abc import Hashable, Iterator
 
 import numpy as np
 
-from gradq.qcore.codec import QuantizedArray, decode, encode
+from gradq.qcore.codecs import codec_for
+from gradq.qcore.quantized import QuantizedArray
 from gradq.qcore.scheme import QuantConfig
 
 __all__ = ["ErrorFeedback"]
@@ -17,7 +18,8 @@ class ErrorFeedback:
 
     Over many steps nothing is lost, only delayed, which is what lets 2- and
     4-bit gradients converge. A key whose size changes starts from zero again
-    (DDP rebuilds its buckets after the first iteration).
+    (DDP rebuilds its buckets after the first iteration), and so does one
+    whose values could not be encoded (NaN/Inf: its step is not applied).
     """
 
     __slots__ = ("_residuals",)
@@ -39,15 +41,12 @@ class ErrorFeedback:
         Returns:
             The encoded compensated values.
         """
-        compensated = np.array(x, dtype=np.float32, copy=True).reshape(-1)
-        residual = self._residuals.get(key)
-        if residual is not None and residual.size == compensated.size:
-            compensated += residual
-        else:
-            residual = np.empty_like(compensated)
-        encoded = encode(compensated, config, rng=rng, dtype=str(np.asarray(x).dtype))
-        decode(encoded, out=residual)
-        np.subtract(compensated, residual, out=residual)
+        flat = np.ascontiguousarray(np.asarray(x).reshape(-1), dtype=np.float32)
+        residual = self._residuals.pop(key, None)
+        if residual is None or residual.size != flat.size:
+            residual = np.zeros_like(flat)
+        # Popped while it is overwritten: a bucket refused for NaN/Inf (its step is not applied) leaves no residual.
+        encoded = codec_for(config.scheme).encode_compensated(flat, residual, config, rng, str(np.asarray(x).dtype))
         self._residuals[key] = residual
         return encoded
 

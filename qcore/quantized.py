@@ -29,7 +29,7 @@ class QuantizedArray:
         numel: number of elements encoded.
         channel_size: elements per channel (``numel`` for per-tensor schemes).
         scale: float32, one per channel (one for per-tensor; empty for floats).
-        zero_point: int32, one per channel, each in ``0..2**bits-1``.
+        zero_point: int32, one per channel, each in ``0..2**bits-1`` (empty for the scaled sign, which has none).
         payload: uint8 bytes, ``ceil(numel * bits / 8)`` of them.
         dtype: the sender's element type, so the receiver can cast back.
     """

@@ -91,7 +91,7 @@ def to_host(encoding: DeviceEncoding, scheme: Scheme, numel: int, dtype: str) ->
     crossings.add(host.nbytes, 0)
     # Scales first: the float32 and int32 views then start on 4-byte boundaries.
     scale_end = encoding.scale.numel() * 4
-    zero_point_end = 2 * scale_end
+    zero_point_end = scale_end + encoding.zero_point.numel() * 4
     return QuantizedArray(
         scheme,
         encoding.bits,
@@ -196,7 +196,8 @@ class TorchErrorFeedback:
             The encoded compensated values (host).
         """
         compensated = x.detach().reshape(-1).to(torch.float32, copy=True)
-        residual = self._residuals.get(key)
+        # Popped until the encode succeeds: a NaN/Inf bucket leaves no residual, as in the numpy one.
+        residual = self._residuals.pop(key, None)
         if residual is not None and residual.numel() == compensated.numel():
             compensated += residual
         else:

@@ -33,7 +33,7 @@ class DeviceEncoding(NamedTuple):
     bits: int
     channel_size: int
     scale: Any  # float32, one per channel
-    zero_point: Any  # int32, one per channel
+    zero_point: Any  # int32, one per channel (empty for a scheme without zero points)
     payload: Any  # uint8, ceil(numel * bits / 8)
 
 
@@ -60,6 +60,7 @@ class Codec(ABC):
     """
 
     quantized: bool  # levels on an integer grid (False: a float pass-through)
+    zero_points = True  # each channel sends an int32 zero point beside its scale (a sign has none)
 
     def __init__(self, scheme: Scheme, twin_module: str) -> None:
         self.scheme = scheme
@@ -86,7 +87,7 @@ class Codec(ABC):
 
     @abstractmethod
     def num_channels(self, numel: int, channel_size: int) -> int:
-        """(scale, zero_point) pairs an encoding of ``numel`` elements carries."""
+        """Channels (scales, and zero points where the scheme has them) an encoding of ``numel`` elements carries."""
 
     def wire_size(self, numel: int, config: QuantConfig) -> int:
         """Bytes an encoding of ``numel`` elements occupies on the wire, metadata included.
@@ -96,12 +97,16 @@ class Codec(ABC):
             config: the grid.
 
         Returns:
-            Payload, plus 4 + 4 bytes per channel, plus ``METADATA_BYTES``.
+            Payload, plus 4 bytes of scale (and 4 of zero point, where the
+            scheme has them) per channel, plus ``METADATA_BYTES``.
         """
         if numel < 0:
             raise ValueError(f"numel={numel} is negative; expected >= 0")
         channels = self.num_channels(numel, self.wire_channel_size(numel, config.channel_size))
-        return METADATA_BYTES + packed_size(numel, self.wire_bits(config)) + 8 * channels
+        return METADATA_BYTES + packed_size(numel, self.wire_bits(config)) + self._qparam_bytes(channels)
+
+    def _qparam_bytes(self, channels: int) -> int:
+        return (8 if self.zero_points else 4) * channels
 
     # -- numpy arithmetic ------------------------------------------------------------------------
 
@@ -123,6 +128,35 @@ class Codec(ABC):
         dtype: str,
     ) -> QuantizedArray:
         """Encode a contiguous flat float32 array (see ``gradq.qcore.encode``)."""
+
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Error feedback's step: encode ``flat + residual`` and leave what it lost in ``residual``.
+
+        Codecs with a fused kernel override this; the result is the same bytes
+        and the same residual as this composition of encode and decode.
+
+        Args:
+            flat: contiguous flat float32 values to send.
+            residual: contiguous float32 array of ``flat.size``: the error carried
+                in, overwritten with the error carried out.
+            config, rng, dtype: as for ``encode``.
+
+        Raises:
+            ValueError: the compensated values hold NaN/Inf or ``|x| >= 2**126``;
+                ``residual`` is then partly overwritten (the caller drops it).
+        """
+        compensated = flat + residual
+        encoded = self.encode(compensated, config, rng, None, dtype)
+        self.dequantize(encoded, residual, accumulate=False, divisor=1)
+        np.subtract(compensated, residual, out=residual)
+        return encoded
 
     @abstractmethod
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
@@ -176,11 +210,17 @@ class Codec(ABC):
                 f"{expected_payload} for numel={numel}, bits={bits}"
             )
         channels = self.num_channels(numel, channel_size)
-        for name, raw in (("scale", scale), ("zero_point", zero_point)):
-            if len(raw) != 4 * channels:
-                raise ValueError(
-                    f"{field}.{name} has {len(raw)} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
-                )
+        if len(scale) != 4 * channels:
+            raise ValueError(
+                f"{field}.scale has {len(scale)} bytes; expected {4 * channels} (4 per channel, {channels} channels)"
+            )
+        expected_zero_points = 4 * channels if self.zero_points else 0
+        if len(zero_point) != expected_zero_points:
+            per = "4 per channel" if self.zero_points else f"{self.scheme.name} sends no zero points"
+            raise ValueError(
+                f"{field}.zero_point has {len(zero_point)} bytes; expected {expected_zero_points} "
+                f"({per}, {channels} channels)"
+            )
         scales = np.frombuffer(scale, "<f4")
         bad_scale = ~(np.isfinite(scales) & (scales > 0))
         if bad_scale.any():

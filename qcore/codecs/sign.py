@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradq.qcore.codecs.base import Codec
-from gradq.qcore.packing import channel_count
+from gradq.qcore.packing import channel_count, packed_size
 from gradq.qcore.quantized import LARGEST_QUANTIZABLE, QuantizedArray, refuse_out_of_range
 from gradq.qcore.scheme import QuantConfig, Scheme
 
@@ -29,12 +29,23 @@ __all__ = ["CODECS", "SignCodec", "FIXED_POINT_BITS", "SMALLEST_SCALE"]
 FIXED_POINT_BITS = 30
 # An all-zero channel decodes to +-this, the smallest positive float32 (a scale must be > 0 on the wire).
 SMALLEST_SCALE = float(np.finfo(np.float32).smallest_subnormal)
+# A sign has no zero point: every encoding carries this empty array, and the wire none.
+_NO_ZERO_POINTS = np.empty(0, np.int32)
+_NO_ZERO_POINTS.flags.writeable = False
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    # numba costs ~0.5 s to import; pay it on the first encode, not on import.
+    from gradq.qcore.codecs import _sign_kernels
+
+    return _sign_kernels
 
 
 class SignCodec(Codec):
     """``scale_c * (2 * bit - 1)``: one bit per element, one scale per channel (``config.bits`` is ignored)."""
 
     quantized = True
+    zero_points = False
 
     def __init__(self, scheme: Scheme) -> None:
         super().__init__(scheme, "gradq.qcore.codecs.sign_torch")
@@ -73,28 +84,45 @@ class SignCodec(Codec):
         """One sign bit per element (``x >= 0`` is 1) and each channel's exact mean ``|x|``."""
         if qparams is not None:
             raise ValueError(f"qparams are not used by scheme={self.name}; its scale is each channel's mean |x|")
-        refuse_out_of_range(flat, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126")
         numel, channel_size = flat.size, config.channel_size
-        channels = self.num_channels(numel, channel_size)
-        magnitude = np.zeros(channels * channel_size, np.float32)
-        magnitude[:numel] = np.abs(flat)
-        scale = mean_magnitudes(magnitude.reshape(channels, channel_size), _channel_lengths(numel, channel_size))
-        payload = np.packbits(flat >= 0, bitorder="little")
-        zero_point = np.zeros(channels, np.int32)
-        return QuantizedArray(self.scheme, 1, numel, channel_size, scale, zero_point, payload, dtype)
+        scale = np.empty(self.num_channels(numel, channel_size), np.float32)
+        signs = np.empty(numel, np.uint8)
+        bad = _kernels().encode_signs(flat, channel_size, scale, signs)
+        return self._packed(flat, bad, channel_size, scale, signs, dtype)
+
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Compensate, encode and update the residual of each channel in one fused pass."""
+        numel, channel_size = flat.size, config.channel_size
+        scale = np.empty(self.num_channels(numel, channel_size), np.float32)
+        signs = np.empty(numel, np.uint8)
+        bad = _kernels().encode_signs_compensated(flat, residual, channel_size, scale, signs)
+        # The failing channel's compensated values are in ``residual``: the message names them.
+        return self._packed(residual, bad, channel_size, scale, signs, dtype)
+
+    def _packed(
+        self, values: np.ndarray, bad: int, channel_size: int, scale: np.ndarray, signs: np.ndarray, dtype: str
+    ) -> QuantizedArray:
+        """Refuse the kernel's failing channel ``bad`` (if >= 0), else pack the sign bits."""
+        if bad >= 0:
+            start = bad * channel_size
+            window = values[start : start + channel_size]
+            refuse_out_of_range(window, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126", start)
+        payload = np.empty(packed_size(values.size, 1), np.uint8)
+        _kernels().pack(signs, 1, payload)
+        return QuantizedArray(self.scheme, 1, values.size, channel_size, scale, _NO_ZERO_POINTS, payload, dtype)
 
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
         """``out (+)= scale_c * (+-1)``, then divide, in float32 as the uniform kernel does."""
         if q.numel == 0:
             return
-        signs = np.unpackbits(q.payload, count=q.numel, bitorder="little").astype(np.float32) * 2 - 1
-        values = signs * np.repeat(q.scale, q.channel_size)[: q.numel]
-        if accumulate:
-            out += values
-            if divisor != 1:
-                out /= np.float32(divisor)
-        else:
-            out[:] = values
+        _kernels().decode_signs(q.payload, q.channel_size, q.scale, out, accumulate, np.float32(divisor))
 
     def _check_header(self, field: str, bits: int, numel: int, channel_size: int) -> None:
         if bits != 1:
@@ -103,29 +131,7 @@ class SignCodec(Codec):
             raise ValueError(f"{field}.channel_size={channel_size} is invalid; expected >= 1 for {self.scheme.name}")
 
     def _check_values(self, field: str, bits: int, zero_point: np.ndarray, payload: np.ndarray) -> None:
-        if zero_point.any():
-            index = int(np.flatnonzero(zero_point)[0])
-            raise ValueError(f"{field}.zero_point[{index}]={int(zero_point[index])} is invalid; expected 0")
-
-
-def _channel_lengths(numel: int, channel_size: int) -> np.ndarray:
-    lengths = np.full(channel_count(numel, channel_size), channel_size, np.float64)
-    if numel % channel_size:
-        lengths[-1] = numel % channel_size
-    return lengths
-
-
-def mean_magnitudes(magnitude: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Each row's exact mean (zero-padded rows of |x|, float32), as float32 scales > 0.
-
-    Every value becomes an integer count of 2**-FIXED_POINT_BITS of its row's
-    largest power of two, so the sum is exact in int64 whatever order it runs in.
-    """
-    _, exponent = np.frexp(magnitude.max(axis=1, initial=0.0))
-    unit = np.ldexp(1.0, exponent - FIXED_POINT_BITS)[:, None]  # float64: the division below is exact
-    counts = np.floor(magnitude / unit).astype(np.int64).sum(axis=1)
-    scale = (counts * unit[:, 0] / lengths).astype(np.float32)
-    return np.maximum(scale, np.float32(SMALLEST_SCALE))
+        """Nothing to refuse: any bit is a sign, and there are no zero points (``from_wire`` checked their size)."""
 
 
 CODECS = (SignCodec(Scheme.PER_CHANNEL_SIGN),)

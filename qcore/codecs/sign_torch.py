@@ -38,8 +38,8 @@ class SignTorchTwin:
         unit = torch.ldexp(torch.ones(channels, dtype=torch.float64, device=flat.device), exponent - FIXED_POINT_BITS)
         counts = torch.floor(rows.double() / unit[:, None]).to(torch.int64).sum(dim=1)
         scale = (counts.double() * unit / lengths).float().clamp(min=SMALLEST_SCALE)
-        zero_point = torch.zeros(channels, dtype=torch.int32, device=flat.device)
-        return DeviceEncoding(1, channel_size, scale, zero_point, pack((flat >= 0).to(torch.uint8), 1))
+        no_zero_points = torch.zeros(0, dtype=torch.int32, device=flat.device)
+        return DeviceEncoding(1, channel_size, scale, no_zero_points, pack((flat >= 0).to(torch.uint8), 1))
 
     def decode(self, encoding: DeviceEncoding, numel: int, out: torch.Tensor) -> None:
         """``out = scale_c * (+-1)`` in float32."""

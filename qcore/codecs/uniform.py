@@ -98,16 +98,53 @@ class UniformCodec(Codec):
         else:
             scale, zero_point = _checked_qparams(qparams, num_channels, config)
             bad = kernels.quantize_with_qparams(flat, channel_size, config.qmax, key, scale, zero_point, levels)
+        return self._packed(flat, bad, channel_size, levels, scale, zero_point, config, dtype)
+
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Compensate, observe, quantize and update the residual of each channel in one fused pass."""
+        numel = flat.size
+        if numel == 0:
+            return self.encode(flat, config, rng, None, dtype)
+        channel_size = self.wire_channel_size(numel, config.channel_size)
+        num_channels = self.num_channels(numel, channel_size)
+        levels = np.empty(numel, np.uint8)
+        scale = np.empty(num_channels, np.float32)
+        zero_point = np.empty(num_channels, np.int32)
+        bad = _kernels().quantize_compensated(
+            flat, residual, channel_size, config.qmax, self.symmetric, noise_key(config, rng), levels, scale, zero_point
+        )
+        # The failing channel's compensated values are in ``residual``: the message names them.
+        return self._packed(residual, bad, channel_size, levels, scale, zero_point, config, dtype)
+
+    def _packed(
+        self,
+        values: np.ndarray,
+        bad: int,
+        channel_size: int,
+        levels: np.ndarray,
+        scale: np.ndarray,
+        zero_point: np.ndarray,
+        config: QuantConfig,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Refuse the kernel's failing channel ``bad`` (if >= 0), else pack the levels."""
         if bad >= 0:
             start = bad * channel_size
-            window = flat[start : start + channel_size]
+            window = values[start : start + channel_size]
             refuse_out_of_range(window, LARGEST_QUANTIZABLE, "finite values with |x| < 2**126", start)
         if config.bits == 8:
             payload = levels
         else:
-            payload = np.empty(packed_size(numel, config.bits), np.uint8)
-            kernels.pack(levels, config.bits, payload)
-        return QuantizedArray(self.scheme, config.bits, numel, channel_size, scale, zero_point, payload, dtype)
+            payload = np.empty(packed_size(values.size, config.bits), np.uint8)
+            _kernels().pack(levels, config.bits, payload)
+        return QuantizedArray(self.scheme, config.bits, values.size, channel_size, scale, zero_point, payload, dtype)
 
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
         """Unpack and dequantize (accumulate, divide) in the fused kernel."""

@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradq.client import AggregationError, WorkerClient, shard_for
-from gradq.client.chunks import MIN_SHARD_SPLIT, assemble, chunk_bounds, chunk_key
+from gradq.client.chunks import (
+    MIN_SHARD_SPLIT,
+    SLOW_LINK_CHUNK_BYTES,
+    assemble,
+    chunk_bounds,
+    chunk_key,
+    slow_link_chunk_elements,
+)
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -194,6 +201,14 @@ def test_large_buckets_travel_as_chunks_spread_over_the_shards(start: Start) -> 
         np.testing.assert_array_equal(results[rank], np.arange(5000, dtype=np.float32).reshape(50, 100) * 1.5)
     # Bucket 1's chunks 0..4 go to shards (1 + i) % 2: 1, 0, 1, 0, 1.
     assert [s.table.counters["rounds_completed"] for s in shards] == [2, 3]
+
+
+def test_slow_link_rounds_carry_the_same_payload_bytes_at_every_width() -> None:
+    for config in (QuantConfig(bits=8), QuantConfig(bits=4), QuantConfig(bits=2), QuantConfig(bits=1)):
+        assert slow_link_chunk_elements(config) * config.bits // 8 == SLOW_LINK_CHUNK_BYTES
+    assert slow_link_chunk_elements(QuantConfig(bits=8)) == 1 << 19
+    # The scaled sign sends 1 bit whatever config.bits says.
+    assert slow_link_chunk_elements(QuantConfig(Scheme.PER_CHANNEL_SIGN, bits=8)) == 1 << 22
 
 
 def test_chunks_are_equal_shares_of_whole_channels() -> None:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradq.qcore import ErrorFeedback, QuantConfig, Rounding, Scheme, decode, encode
+from gradq.qcore.codecs import Codec, codec_for
 
 # One float32 rounding: relative error at most 2**-24.
 UNIT_ROUNDOFF = 2.0**-24
@@ -98,3 +99,39 @@ def test_two_bit_error_feedback_tracks_a_constant_gradient(scheme: Scheme) -> No
     assert error_with < error_without / 10
     step = float(np.max(encode(gradient, config).scale))
     assert np.abs(with_feedback - target).max() <= 2 * step
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    numel=st.integers(0, 900),
+    channel_size=st.integers(1, 300),
+    bits=st.integers(1, 8),
+    scheme=st.sampled_from([s for s in Scheme if s.is_quantized]),
+    rounding=st.sampled_from(list(Rounding)),
+)
+def test_fused_step_is_byte_for_byte_the_composition_of_encode_and_decode(
+    seed: int, numel: int, channel_size: int, bits: int, scheme: Scheme, rounding: Rounding
+) -> None:
+    bits = max(bits, 2) if scheme in (Scheme.PER_TENSOR_SYMMETRIC, Scheme.PER_CHANNEL_SYMMETRIC) else bits
+    config = QuantConfig(scheme=scheme, bits=bits, channel_size=channel_size, rounding=rounding, seed=seed)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(numel) * 10.0 ** rng.integers(-6, 3)).astype(np.float32)
+    carried = (rng.standard_normal(numel) * 1e-3).astype(np.float32)
+    codec = codec_for(scheme)
+    fused_residual, composed_residual = carried.copy(), carried.copy()
+    fused = codec.encode_compensated(x, fused_residual, config, np.random.default_rng(seed), "float32")
+    composed = Codec.encode_compensated(codec, x, composed_residual, config, np.random.default_rng(seed), "float32")
+    for field in ("scale", "zero_point", "payload"):
+        np.testing.assert_array_equal(getattr(fused, field), getattr(composed, field), err_msg=field)
+    np.testing.assert_array_equal(fused_residual, composed_residual)
+
+
+@pytest.mark.parametrize("scheme", [Scheme.PER_CHANNEL_AFFINE, Scheme.PER_CHANNEL_SIGN])
+def test_a_bucket_refused_for_nan_leaves_no_residual(scheme: Scheme) -> None:
+    feedback, config = ErrorFeedback(), QuantConfig(scheme=scheme, bits=2, channel_size=4)
+    feedback.encode("bucket", np.linspace(-1, 1, 8, dtype=np.float32), config)
+    assert feedback.residual("bucket") is not None
+    with pytest.raises(ValueError, match=r"x\[5\]=nan cannot be encoded"):
+        feedback.encode("bucket", np.array([0, 1, 2, 3, 4, np.nan, 6, 7], np.float32), config)
+    assert feedback.residual("bucket") is None

@@ -38,7 +38,8 @@ def test_scale_is_the_exact_channel_mean_and_error_feedback_contracts(
     channels = -(-numel // channel_size)
     means = [np.abs(x[c * channel_size : (c + 1) * channel_size]).astype(np.float64).mean() for c in range(channels)]
     np.testing.assert_allclose(q.scale, means, rtol=1e-6)
-    assert q.nbytes == wire_size(numel, config) == 32 + -(-numel // 8) + 8 * channels
+    assert q.zero_point.size == 0  # a sign has no zero point: 4 bytes of scale per channel, nothing else
+    assert q.nbytes == wire_size(numel, config) == 32 + -(-numel // 8) + 4 * channels
     decoded = decode(q)
     np.testing.assert_array_equal(np.sign(decoded), np.where(x >= 0, 1.0, -1.0))
     # What error feedback needs: the residual is smaller than what was sent.
@@ -72,10 +73,10 @@ def test_defaults_and_refusals() -> None:
     with pytest.raises(ValueError, match="qparams are not used"):
         encode(np.ones(4, np.float32), SIGN, qparams=(np.ones(1), np.zeros(1)))
     codec = codec_for(Scheme.PER_CHANNEL_SIGN)
-    scale, zero = np.ones(1, "<f4").tobytes(), np.zeros(1, "<i4").tobytes()
+    scale = np.ones(1, "<f4").tobytes()
     with pytest.raises(ValueError, match=r"tensor.bits=2 is invalid for PER_CHANNEL_SIGN; expected 1"):
-        codec.from_wire("tensor", 2, 4, 4, scale, zero, b"\x00", "float32")
-    with pytest.raises(ValueError, match=r"tensor.zero_point\[0\]=3 is invalid; expected 0"):
-        codec.from_wire("tensor", 1, 4, 4, scale, np.full(1, 3, "<i4").tobytes(), b"\x00", "float32")
-    accepted = codec.from_wire("tensor", 1, 4, 4, scale, zero, b"\x05", "float32")
+        codec.from_wire("tensor", 2, 4, 4, scale, b"", b"\x00", "float32")
+    with pytest.raises(ValueError, match=r"tensor.zero_point has 4 bytes; expected 0 \(PER_CHANNEL_SIGN sends no zero"):
+        codec.from_wire("tensor", 1, 4, 4, scale, np.zeros(1, "<i4").tobytes(), b"\x00", "float32")
+    accepted = codec.from_wire("tensor", 1, 4, 4, scale, b"", b"\x05", "float32")
     np.testing.assert_array_equal(decode(accepted), [1.0, -1.0, 1.0, -1.0])
