@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +15,6 @@ import numpy as np
 
 from gradq.client import serde
 from gradq.client.chunks import (
-    CHUNK_KEY_STRIDE,
     DEFAULT_CHUNK_ELEMENTS,
     assemble,
     chunk_bounds,
@@ -26,6 +22,7 @@ from gradq.client.chunks import (
     shard_for,
 )
 from gradq.client.security import ChannelSecurity
+from gradq.client.sending import AggregationError, PendingPush, ShardSender
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
@@ -39,17 +36,7 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_MAX_MESSAGE_BYTES", "AggregationEr
 log = logging.getLogger(__name__)
 
 
-class AggregationError(RuntimeError):
-    """A call to an aggregator that produced no mean; says which aggregator and why."""
-
-    def __init__(self, address: str, code: grpc.StatusCode | None, details: str) -> None:
-        status = code.name if code is not None else "BAD_RESPONSE"
-        super().__init__(f"aggregator {address}: {status}: {details}")
-        self.address = address
-        self.code = code
-        self.details = details
-
-
+# PushPull travels as bytes serde builds and parses itself (payload copied once each way).
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
 
 
@@ -122,8 +109,6 @@ class WorkerClient:
         self.world_size = world_size
         self.config = config or QuantConfig()
         self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
         channel = self.config.channel_size
         self.chunk_elements = channel_count(chunk_elements, channel) * channel if chunk_elements > 0 else 0
         self._error_feedback = error_feedback
@@ -137,12 +122,20 @@ class WorkerClient:
         self._metadata = self.security.metadata()
         self._channels = [self.security.channel(address, options) for address in self.addresses]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
-        # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
-        self._push_pulls = [channel.unary_unary(_PUSH_PULL_METHOD) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
         self._stats = StatsRecorder(log_every_s)
         self._pushes_since_sample = 0
-        self._window: ShardWindow[_PendingPush] = ShardWindow(len(self.addresses), max_in_flight)
+        self._sender = ShardSender(
+            self.addresses,
+            [channel.unary_unary(_PUSH_PULL_METHOD) for channel in self._channels],
+            self._metadata,
+            timeout_s,
+            max_retries,
+            retry_backoff_s,
+            ShardWindow(len(self.addresses), max_in_flight),
+            self._stats,
+            self._join_shard,
+        )
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -167,8 +160,8 @@ class WorkerClient:
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
-        for pending in self._window.close():
-            self._fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
+        for pending in self._sender.window.close():
+            self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
         request = serde.leave_request(self.job_id, self.rank, self.incarnation)
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
@@ -349,10 +342,10 @@ class WorkerClient:
         flat_shape = (tensor.numel,) if shape is None else shape
         arrays = self._arrays_for(out)
         out = arrays.output(out, tensor.numel, out)
-        pending = _PendingPush(shard, step, bucket, b"", flat_shape, arrays, out, concurrent.futures.Future())
+        pending = PendingPush(shard, step, bucket, b"", flat_shape, arrays, out, concurrent.futures.Future())
         pending.result.set_running_or_notify_cancel()  # settled only here: cancel() would free its slot early
-        if self._window.closed:
-            self._fail(pending, grpc.StatusCode.CANCELLED, "the client is closed")
+        if self._sender.window.closed:
+            self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client is closed")
             return pending.result
         if not self._joined[shard]:
             self._join_shard(shard)
@@ -361,119 +354,5 @@ class WorkerClient:
         )
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)
-        if self._window.admit(shard, pending):
-            self._start(pending)
+        self._sender.submit(pending)
         return pending.result
-
-    def _start(self, pending: _PendingPush | None) -> None:
-        """Transmit pushes that hold a window slot; one failing at once hands its slot to the next in line.
-
-        A loop, not recursion: a closed channel fails a whole queue at once.
-        """
-        while pending is not None:
-            if self._transmit(pending):
-                if self._window.limit is not None:
-                    pending.result.add_done_callback(functools.partial(self._pass_slot, pending.shard))
-                return
-            pending = self._window.release(pending.shard)
-
-    def _pass_slot(self, shard: int, settled: object) -> None:
-        self._start(self._window.release(shard))  # ``settled``: the push that held the slot
-
-    def _transmit(self, pending: _PendingPush) -> bool:
-        """Start the RPC; False when it failed at once (``pending`` is settled)."""
-        pending.sent_at = time.perf_counter()
-        try:
-            call = self._push_pulls[pending.shard].future(
-                pending.request, timeout=self.timeout_s, metadata=self._metadata
-            )
-        except ValueError as error:  # the channel was closed: fail through the future, like any RPC error
-            self._fail(pending, grpc.StatusCode.CANCELLED, str(error))
-            return False
-        call.add_done_callback(lambda done: self._on_reply(done, pending))
-        return True
-
-    def _fail(self, pending: _PendingPush, code: grpc.StatusCode | None, details: str) -> None:
-        bucket, chunk = pending.bucket % CHUNK_KEY_STRIDE, pending.bucket // CHUNK_KEY_STRIDE
-        where = f"step {pending.step} bucket {bucket} chunk {chunk}"
-        pending.result.set_exception(AggregationError(self.addresses[pending.shard], code, f"{where}: {details}"))
-
-    def _shard_down(self, shard: int, error: AggregationError) -> None:
-        """Fail the pushes waiting for ``shard`` now, rather than each after its own retries."""
-        for waiting in self._window.drain(shard):
-            self._fail(waiting, error.code, f"not sent: an earlier push to this shard failed ({error.details})")
-
-    def _on_reply(self, call: grpc.Future, pending: _PendingPush) -> None:
-        code = call.code()
-        address = self.addresses[pending.shard]
-        if code == grpc.StatusCode.OK:
-            received_at = time.perf_counter()
-            try:
-                mean = serde.mean_from_bytes(call.result(), len(pending.out))
-                pending.arrays.decode(mean.tensor, pending.out)
-            except Exception as error:  # whatever fails here must still settle the future
-                pending.result.set_exception(AggregationError(address, None, str(error)))
-                return
-            self._stats.pulled(
-                mean.wire_bytes,
-                received_at - pending.sent_at,
-                time.perf_counter() - received_at,
-                mean.skipped,
-                mean.partial,
-            )
-            if mean.skipped:
-                log.warning("aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.step)
-            if mean.partial:
-                log.warning(
-                    "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
-                )
-            pending.result.set_result(pending.out.reshape(pending.shape))
-        elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
-            pending.attempt += 1
-            delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
-            log.info(
-                "aggregator %s unavailable; retry %d/%d in %.2f s", address, pending.attempt, self.max_retries, delay
-            )
-            timer = threading.Timer(delay, self._retry, (pending,))
-            timer.daemon = True
-            timer.start()
-        else:
-            failure = AggregationError(address, code, call.details() or "")
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self._shard_down(pending.shard, failure)
-            pending.result.set_exception(failure)
-
-    def _retry(self, pending: _PendingPush) -> None:
-        # A restarted aggregator has forgotten the job: rejoin (idempotent; waits
-        # up to timeout_s for the shard to come back), then resend the same push.
-        if self._window.closed:
-            self._fail(pending, grpc.StatusCode.CANCELLED, "the client closed while the push waited to retry")
-            return
-        try:
-            self._join_shard(pending.shard)
-        except (AggregationError, ValueError) as error:  # ValueError: the channel closed meanwhile
-            failure = (
-                error
-                if isinstance(error, AggregationError)
-                else AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))
-            )
-            self._shard_down(pending.shard, failure)
-            pending.result.set_exception(failure)
-            return
-        self._transmit(pending)  # still holding its window slot; a failure settles it
-
-
-@dataclass(slots=True)
-class _PendingPush:
-    """A push in flight: everything a retry needs to resend it unchanged."""
-
-    shard: int
-    step: int
-    bucket: int  # the round key: bucket + chunk * CHUNK_KEY_STRIDE
-    request: bytes  # the serialized PushPullRequest
-    shape: tuple[int, ...]
-    arrays: ArrayCodec  # the library ``out`` lives in
-    out: Any  # flat float32 array or tensor: the mean is decoded into it
-    result: concurrent.futures.Future[Any]
-    attempt: int = 0
-    sent_at: float = 0.0  # perf_counter when the latest attempt went out

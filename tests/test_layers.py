@@ -18,6 +18,7 @@ CASES = [
     ("gradq.server.app", ("torch", "gradq.client")),
     ("gradq.client", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.worker", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
+    ("gradq.client.sending", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.ddp", ("gradq.server", "gradq.client.apps")),
     ("gradq.cli", ("torch", "grpc", "numpy")),
 ]

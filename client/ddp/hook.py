@@ -23,9 +23,10 @@ from gradq.client.ddp.errors import BackwardFailures
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.security import ChannelSecurity
+from gradq.client.sending import AggregationError
 from gradq.client.stats import ClientStats
 from gradq.client.window import check_max_in_flight
-from gradq.client.worker import AggregationError, WorkerClient
+from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 
 __all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]

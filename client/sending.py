@@ -1,0 +1,199 @@
+"""Pushes on the wire: each shard's send window, retries of UNAVAILABLE, and settling every push's future.
+
+WorkerClient builds a push (a serialized PushPullRequest and where its mean
+goes) and hands it here; from then on this module alone touches it. A push
+that fails with UNAVAILABLE is retried with backoff after rejoining the
+shard (the aggregator never counts a resent (step, bucket, rank) twice); one
+that fails otherwise, or runs out of retries, fails the pushes queued behind
+it on that shard at once instead of each after its own retries.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gradq.client import serde
+from gradq.client.chunks import CHUNK_KEY_STRIDE
+from gradq.client.stats import StatsRecorder
+from gradq.client.window import ShardWindow
+from gradq.qcore.arrays import ArrayCodec
+
+__all__ = ["AggregationError", "PendingPush", "ShardSender"]
+
+log = logging.getLogger(__name__)
+
+
+class AggregationError(RuntimeError):
+    """A call to an aggregator that produced no mean; says which aggregator and why."""
+
+    def __init__(self, address: str, code: grpc.StatusCode | None, details: str) -> None:
+        status = code.name if code is not None else "BAD_RESPONSE"
+        super().__init__(f"aggregator {address}: {status}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+@dataclass(slots=True)
+class PendingPush:
+    """A push in flight: everything a retry needs to resend it unchanged."""
+
+    shard: int
+    step: int
+    bucket: int  # the round key: bucket + chunk * CHUNK_KEY_STRIDE
+    request: bytes  # the serialized PushPullRequest
+    shape: tuple[int, ...]
+    arrays: ArrayCodec  # the library ``out`` lives in
+    out: Any  # flat float32 array or tensor: the mean is decoded into it
+    result: concurrent.futures.Future[Any]
+    attempt: int = 0
+    sent_at: float = 0.0  # perf_counter when the latest attempt went out
+
+
+class ShardSender:
+    """Sends pushes to the shards through their windows and settles each push's future exactly once.
+
+    Args:
+        addresses: ``host:port`` of each shard, for messages.
+        push_pulls: the raw-bytes PushPull callable of each shard's channel.
+        metadata: sent with every call (the bearer token).
+        timeout_s: deadline of each call.
+        max_retries: retries of a call that failed with UNAVAILABLE.
+        retry_backoff_s: first retry delay, doubled on each retry.
+        window: pushes per shard on the wire at once.
+        stats: records every mean pulled.
+        rejoin: joins a shard again (a restarted aggregator forgot the job); raises AggregationError.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        push_pulls: Sequence[grpc.UnaryUnaryMultiCallable],
+        metadata: tuple[tuple[str, str], ...] | None,
+        timeout_s: float,
+        max_retries: int,
+        retry_backoff_s: float,
+        window: ShardWindow[PendingPush],
+        stats: StatsRecorder,
+        rejoin: Callable[[int], None],
+    ) -> None:
+        self.addresses = list(addresses)
+        self._push_pulls = list(push_pulls)
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.window = window
+        self._stats = stats
+        self._rejoin = rejoin
+
+    def submit(self, pending: PendingPush) -> None:
+        """Send ``pending`` now if its shard's window has room, else once a slot frees."""
+        if self.window.admit(pending.shard, pending):
+            self.start(pending)
+
+    def start(self, pending: PendingPush | None) -> None:
+        """Transmit pushes that hold a window slot; one failing at once hands its slot to the next in line.
+
+        A loop, not recursion: a closed channel fails a whole queue at once.
+        """
+        while pending is not None:
+            if self._transmit(pending):
+                if self.window.limit is not None:
+                    pending.result.add_done_callback(functools.partial(self._pass_slot, pending.shard))
+                return
+            pending = self.window.release(pending.shard)
+
+    def _pass_slot(self, shard: int, settled: object) -> None:
+        self.start(self.window.release(shard))  # ``settled``: the push that held the slot
+
+    def _transmit(self, pending: PendingPush) -> bool:
+        """Start the RPC; False when it failed at once (``pending`` is settled)."""
+        pending.sent_at = time.perf_counter()
+        try:
+            call = self._push_pulls[pending.shard].future(
+                pending.request, timeout=self.timeout_s, metadata=self._metadata
+            )
+        except ValueError as error:  # the channel was closed: fail through the future, like any RPC error
+            self.fail(pending, grpc.StatusCode.CANCELLED, str(error))
+            return False
+        call.add_done_callback(lambda done: self._on_reply(done, pending))
+        return True
+
+    def fail(self, pending: PendingPush, code: grpc.StatusCode | None, details: str) -> None:
+        bucket, chunk = pending.bucket % CHUNK_KEY_STRIDE, pending.bucket // CHUNK_KEY_STRIDE
+        where = f"step {pending.step} bucket {bucket} chunk {chunk}"
+        pending.result.set_exception(AggregationError(self.addresses[pending.shard], code, f"{where}: {details}"))
+
+    def _shard_down(self, shard: int, error: AggregationError) -> None:
+        """Fail the pushes waiting for ``shard`` now, rather than each after its own retries."""
+        for waiting in self.window.drain(shard):
+            self.fail(waiting, error.code, f"not sent: an earlier push to this shard failed ({error.details})")
+
+    def _on_reply(self, call: grpc.Future, pending: PendingPush) -> None:
+        code = call.code()
+        address = self.addresses[pending.shard]
+        if code == grpc.StatusCode.OK:
+            received_at = time.perf_counter()
+            try:
+                mean = serde.mean_from_bytes(call.result(), len(pending.out))
+                pending.arrays.decode(mean.tensor, pending.out)
+            except Exception as error:  # whatever fails here must still settle the future
+                pending.result.set_exception(AggregationError(address, None, str(error)))
+                return
+            self._stats.pulled(
+                mean.wire_bytes,
+                received_at - pending.sent_at,
+                time.perf_counter() - received_at,
+                mean.skipped,
+                mean.partial,
+            )
+            if mean.skipped:
+                log.warning("aggregator %s skipped step %d: a rank reported NaN/Inf gradients", address, pending.step)
+            if mean.partial:
+                log.warning(
+                    "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
+                )
+            pending.result.set_result(pending.out.reshape(pending.shape))
+        elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
+            pending.attempt += 1
+            delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
+            log.info(
+                "aggregator %s unavailable; retry %d/%d in %.2f s", address, pending.attempt, self.max_retries, delay
+            )
+            timer = threading.Timer(delay, self._retry, (pending,))
+            timer.daemon = True
+            timer.start()
+        else:
+            failure = AggregationError(address, code, call.details() or "")
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._shard_down(pending.shard, failure)
+            pending.result.set_exception(failure)
+
+    def _retry(self, pending: PendingPush) -> None:
+        # A restarted aggregator has forgotten the job: rejoin (idempotent; waits
+        # up to timeout_s for the shard to come back), then resend the same push.
+        if self.window.closed:
+            self.fail(pending, grpc.StatusCode.CANCELLED, "the client closed while the push waited to retry")
+            return
+        try:
+            self._rejoin(pending.shard)
+        except (AggregationError, ValueError) as error:  # ValueError: the channel closed meanwhile
+            failure = (
+                error
+                if isinstance(error, AggregationError)
+                else AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))
+            )
+            self._shard_down(pending.shard, failure)
+            pending.result.set_exception(failure)
+            return
+        self._transmit(pending)  # still holding its window slot; a failure settles it
