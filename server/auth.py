@@ -169,11 +169,13 @@ def _bound_stream(behaviour: Callable[..., AsyncIterator[Any]], scope: TokenScop
 
 
 def bind_scope(handler: grpc.RpcMethodHandler, scope: TokenScope) -> grpc.RpcMethodHandler:
-    """``handler`` (a grpc.aio one) with ``scope`` bound around it, whatever its kind (unary or streaming).
+    """``handler`` (a grpc.aio one) with ``scope`` bound around it, unary or streaming.
 
     Args:
         handler: the method's handler; its behaviour is a coroutine function,
-            or an async generator function for a streaming response.
+            or for a streaming response an async generator function (a
+            streaming handler that writes through ``context.write`` instead is
+            not supported; health and reflection, the only ones, need no token).
         scope: the caller's token scope.
 
     Returns:

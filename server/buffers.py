@@ -41,8 +41,9 @@ def mapped_float32(numel: int) -> np.ndarray:
 class AccumulatorPool:
     """Freed accumulators by size, each kept at most ``idle_s`` seconds; thread-safe.
 
-    Holds only what rounds held a moment ago (so never more than the memory
-    budget allowed them), and nothing once rounds stop for ``idle_s``.
+    Holds only what rounds held a moment ago, and nothing once rounds stop for
+    ``idle_s``. Its pages are resident, so the table keeps what rounds hold
+    plus what waits here under the memory budget (``trim_to``).
 
     Args:
         idle_s: a freed accumulator not taken again within this is unmapped.
@@ -54,12 +55,12 @@ class AccumulatorPool:
         self._clock = clock
         self._lock = threading.Lock()
         self._free: dict[int, list[tuple[float, np.ndarray]]] = {}
+        self._free_bytes = 0
 
     @property
     def free_bytes(self) -> int:
         """Bytes of accumulators waiting to be taken again."""
-        with self._lock:
-            return sum(array.nbytes for stack in self._free.values() for _, array in stack)
+        return self._free_bytes
 
     def take(self, numel: int) -> np.ndarray:
         """An accumulator of ``numel`` float32 elements (uninitialized): a freed one if any, else new."""
@@ -69,6 +70,7 @@ class AccumulatorPool:
                 _, array = stack.pop()  # the most recently freed: its pages are the likeliest resident
                 if not stack:
                     del self._free[numel]
+                self._free_bytes -= array.nbytes
                 return array
         return mapped_float32(numel)
 
@@ -78,16 +80,41 @@ class AccumulatorPool:
             return
         with self._lock:
             self._free.setdefault(array.size, []).append((self._clock(), array))
+            self._free_bytes += array.nbytes
+
+    def trim_to(self, max_bytes: int) -> int:
+        """Unmap the longest-freed accumulators until at most ``max_bytes`` wait here; returns bytes dropped."""
+        with self._lock:
+            if self._free_bytes <= max_bytes:
+                return 0
+            by_age = sorted(
+                (freed, numel, index) for numel, stack in self._free.items() for index, (freed, _) in enumerate(stack)
+            )
+            drop: set[tuple[int, int]] = set()
+            left = self._free_bytes
+            for _, numel, index in by_age:
+                if left <= max_bytes:
+                    break
+                drop.add((numel, index))
+                left -= 4 * numel
+            return self._remove(lambda numel, index, _freed: (numel, index) in drop)
 
     def drop_idle(self) -> int:
         """Unmap accumulators freed more than ``idle_s`` ago (the sweeper calls this); returns bytes dropped."""
         cutoff = self._clock() - self.idle_s
-        dropped: list[np.ndarray] = []
         with self._lock:
-            for numel in list(self._free):
-                stack = self._free[numel]
-                dropped += [array for freed, array in stack if freed < cutoff]
-                stack[:] = [(freed, array) for freed, array in stack if freed >= cutoff]
-                if not stack:
-                    del self._free[numel]
-        return sum(array.nbytes for array in dropped)  # unmapped as ``dropped`` goes
+            return self._remove(lambda _numel, _index, freed: freed < cutoff)
+
+    def _remove(self, doomed: Callable[[int, int, float], bool]) -> int:
+        """Drop the accumulators ``doomed(numel, index, freed_at)`` picks; caller holds the lock. Returns bytes."""
+        dropped = 0
+        for numel in list(self._free):
+            stack = self._free[numel]
+            kept = [(freed, array) for index, (freed, array) in enumerate(stack) if not doomed(numel, index, freed)]
+            dropped += 4 * numel * (len(stack) - len(kept))
+            if kept:
+                self._free[numel] = kept
+            else:
+                del self._free[numel]
+        self._free_bytes -= dropped
+        return dropped  # the arrays are unmapped as the last references go, here

@@ -126,7 +126,9 @@ class JobTable:
                 reason = f"superseded: {job.describe()} was restarted as {describe_incarnation(incarnation)}"
                 retired.append(self._forget(job, reason))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
-                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded, peer)
+                # A restart keeps the job's slot with the host that started it: no host's count moves.
+                creator = job.creator
+                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded, creator)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(

@@ -113,13 +113,15 @@ class RoundCloser:
 
     def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
-        if rnd.accumulator is not None:
-            # Nothing else refers to it: the mean was encoded into arrays of its own.
-            self._accumulators.give(rnd.accumulator)
-            rnd.accumulator = None
         retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
         self._budget.adjust(rnd.charged, retained, job.memory)
         rnd.charged = retained
+        if rnd.accumulator is not None:
+            # Nothing else refers to it: the mean was encoded into arrays of its own. Its pages
+            # stay resident in the pool, so the pool gives way to keep rounds plus it in the budget.
+            self._accumulators.give(rnd.accumulator)
+            rnd.accumulator = None
+            self._accumulators.trim_to(self._budget.limit - self._budget.in_use)
         rnd.done.set()
         with rnd.wakers_lock:  # after done is set, so a call that looks later sees it and does not wait
             wakers = list(rnd.wakers)

@@ -274,6 +274,8 @@ class RoundTable:
         except MemoryError:
             self.budget.adjust(charge, 0, job.memory)
             raise
+        # Free accumulators of other sizes are resident too: rounds plus the pool stay within the budget.
+        self.accumulators.trim_to(self.budget.limit - self.budget.in_use)
         rnd = Round(step, bucket, grid, self._clock() + self.policy.round_timeout_s, accumulator)
         rnd.charged = charge
         job.rounds[(step, bucket)] = rnd

@@ -152,7 +152,7 @@ class AggregatorServicer:
         if timeout is not None:
             try:
                 await asyncio.wait_for(woken.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass  # the round's deadline: ``answer`` closes it
             finally:
                 self.table.unwatch(ticket, waker)

@@ -129,3 +129,9 @@ def test_5b_one_host_inventing_job_ids_cannot_take_the_whole_table() -> None:
     table.leave("storm-0", 1)  # forgotten: its slot is free again
     table.join("storm-5", 0, 2, peer="ipv4:10.0.0.66")
     assert len(table.active_jobs()) == 6
+    # Restarted by another host under a new incarnation, a job keeps its slot with the host that started it.
+    table.join("storm-1", 0, 2, incarnation="run-2", peer="ipv4:10.0.0.7")
+    with pytest.raises(ResourceExhaustedError, match="--max-jobs-per-peer=5"):
+        table.join("storm-6", 0, 2, peer="ipv4:10.0.0.66")
+    for number in range(4):
+        table.join(f"other-{number}", 0, 2, peer="ipv4:10.0.0.7")  # legit plus these: its own 5
