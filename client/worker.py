@@ -226,8 +226,8 @@ class WorkerClient:
         shape = tuple(np.shape(array))
         numel = len(flat)
         out = arrays.output(out, numel, flat)
-        pieces = chunk_bounds(numel, self.chunk_elements, self.config.channel_size, len(self._stubs))
-        keys = [chunk_key(bucket, index) for index in range(len(pieces))]
+        rounds = self.round_keys(bucket, numel)
+        keys, pieces = [key for key, _, _ in rounds], [(begin, end) for _, begin, end in rounds]
         started = time.perf_counter()
         try:
             tensors = [
@@ -260,6 +260,15 @@ class WorkerClient:
                 parts.append(failed)
                 break
         return assemble(parts, out, shape)
+
+    def round_keys(self, bucket: int, numel: int) -> list[tuple[int, int, int]]:
+        """The rounds a bucket of ``numel`` elements travels as: (round key, begin, end) of each chunk.
+
+        The one place that says which round key carries (and so which residual
+        holds) which elements of a bucket; checkpoints ask here too.
+        """
+        pieces = chunk_bounds(numel, self.chunk_elements, self.config.channel_size, len(self._stubs))
+        return [(chunk_key(bucket, index), begin, end) for index, (begin, end) in enumerate(pieces)]
 
     def _arrays_for(self, values: Any) -> ArrayCodec:
         return self._arrays_of(library_of(values))

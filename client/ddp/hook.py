@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
-from gradq.client.ddp.checkpoint import BucketResiduals, checkpoint_of, resume_from
+from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
 from gradq.client.ddp.env import hook_arguments_from_env
 from gradq.client.ddp.errors import BackwardFailures
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
+from gradq.client.ddp.residuals import ParameterResiduals
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
 from gradq.client.stats import ClientStats
@@ -45,12 +46,12 @@ DEFAULT_HOOK_IN_FLIGHT = 2
 _UNPICKLED = frozenset(
     {
         "__weakref__",
-        "_bucket_residuals",
         "_client",
         "_closed",
         "_failures",
         "_membership",
         "_mode",
+        "_residuals",
         "_sender_pool",
         "incarnation",
         "process_group",
@@ -90,12 +91,12 @@ class GradqHookState:
 
     __slots__ = (
         "__weakref__",  # Membership leaves the job when the state is collected
-        "_bucket_residuals",  # names buckets by their parameters: residuals survive rebuilds and checkpoints
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_failures",  # bucket failures held until DDP's backward ends, then raised typed
         "_membership",  # leaves the job once, at close / collection / exit
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
+        "_residuals",  # keeps error feedback on its parameters across bucket rebuilds and checkpoints
         "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
         "addresses",  # aggregator shard addresses, in shard order
         "chunk_elements",  # largest round a bucket is cut into
@@ -181,7 +182,7 @@ class GradqHookState:
         self._sender_pool: ThreadPoolExecutor | None = None
         self._membership: Membership | None = None
         self._failures = BackwardFailures()
-        self._bucket_residuals = BucketResiduals()
+        self._residuals = ParameterResiduals()
         self._closed = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -190,9 +191,9 @@ class GradqHookState:
         Returns:
             ``step`` (the next round's step), ``config`` (the push grid as plain
             values), ``error_feedback``, and ``residuals``: each bucket's residual
-            as a flat float32 CPU tensor, keyed by the bucket's parameters'
-            dtypes and shapes (see gradq.client.ddp.checkpoint), so a resume
-            on another device or after DDP's bucket rebuild still matches.
+            pieces as flat float32 CPU tensors, keyed by parameter and element
+            range (see gradq.client.ddp.residuals), so a resume puts each back
+            on its own parameter, on any device and in any bucket layout.
         """
         return checkpoint_of(self)
 
@@ -330,21 +331,28 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")
     if state.mode is None:
         state._connect()
+    sparse = bucket.buffer().layout != torch.strided
     if state.mode != "gradq":
-        return _FALLBACK_HOOKS[str(state.mode)](state, bucket)
-    if state.error_feedback:
-        state._bucket_residuals.observe(state, bucket)
-    return state._failures.guard(_push_bucket(state, bucket), bucket.buffer())
-
-
-def _push_bucket(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    client = state.client
-    assert client is not None
-    buffer = bucket.buffer()
-    key, step = bucket.index(), state.step
+        return _fallback_allreduce(state, bucket) if sparse else _FALLBACK_HOOKS[str(state.mode)](state, bucket)
+    step = state.step
     if bucket.is_last():
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
+    segments = [] if sparse else [(bucket.index(), 0, bucket.buffer().numel())]
+    if state.error_feedback:
+        state._residuals.observe(state, bucket, segments)
+    if sparse:
+        # A sparse gradient (nn.Embedding(sparse=True)) has no dense grid to quantize: its
+        # bucket is averaged by the process group, uncompressed, as DDP's default hook does.
+        return _fallback_allreduce(state, bucket)
+    return state._failures.guard(_push_bucket(state, bucket, step), bucket.buffer())
+
+
+def _push_bucket(state: GradqHookState, bucket: dist.GradBucket, step: int) -> torch.futures.Future[torch.Tensor]:
+    client = state.client
+    assert client is not None
+    buffer = bucket.buffer()
+    key = bucket.index()
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     # Every bucket takes the same path (chunks, shards, window, retries, stats);
     # the codec decides only where it is quantized and where its mean is decoded.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig
+from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
@@ -22,7 +23,9 @@ CONFIG = QuantConfig(bits=2, channel_size=16)  # coarse: every residual is far f
 
 @pytest.fixture(scope="module")
 def aggregator() -> Iterator[str]:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=30.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
+    # A float32 return makes the mean exact, so the residual a step used can be read off it.
+    policy = RoundPolicy(round_timeout_s=30.0, return_scheme=Scheme.FLOAT32)
+    server = AggregatorServer(policy, ServerOptions("127.0.0.1:0", grace_s=0.5))
     server.start()
     yield f"127.0.0.1:{server.port}"
     server.stop()
@@ -50,16 +53,24 @@ def gradients(model: DistributedDataParallel, step: int) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
-# DDP's first layout lists the parameters in model order; the rebuilt one (from the second
-# iteration on, and in the checkpoint) in gradient-ready order: same numel, other elements.
-INITIAL = "float32[6, 8]+float32[6]+float32[3, 6]+float32[3]#0"
-REBUILT = "float32[3]+float32[3, 6]+float32[6]+float32[6, 8]#0"
+def per_parameter(model: nn.Module, flat: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.split(flat, [p.numel() for p in model.parameters()]))
 
 
-def test_a_resumed_state_restores_the_residuals_once_ddp_has_rebuilt_its_buckets(aggregator: str, group: None) -> None:
+def residuals_of(state: GradqHookState, model: nn.Module) -> list[torch.Tensor]:
+    """Each parameter's residual from state_dict()'s pieces (serials follow model order in this model)."""
+    found = [torch.zeros(p.numel()) for p in model.parameters()]
+    for name, values in state.state_dict()["residuals"].items():
+        serial, span = name.split(" ")[0].removeprefix("param"), name.split(" ")[-1]
+        start, stop = (int(bound) for bound in span.strip("[]").split(":"))
+        found[int(serial)][start:stop] = values
+    return found
+
+
+def test_a_resumed_state_puts_each_checkpointed_residual_back_on_its_parameter(aggregator: str, group: None) -> None:
     original = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ckpt-original")
     model = model_with(original)
-    for step in range(3):
+    for step in range(3):  # the checkpoint is taken in DDP's rebuilt layout (gradient-ready order)
         gradients(model, step)
     buffer = io.BytesIO()
     torch.save(original.state_dict(), buffer)
@@ -72,21 +83,29 @@ def test_a_resumed_state_restores_the_residuals_once_ddp_has_rebuilt_its_buckets
         "rounding": "nearest",
         "seed": None,
     }
-    assert list(checkpoint["residuals"]) == [REBUILT] and checkpoint["residuals"][REBUILT].abs().max() > 0
-    reference = gradients(model, 7)  # what the original sends for inputs 7, with its residual
+    assert sorted(checkpoint["residuals"]) == [
+        "param0 float32[6,8] [0:48]",
+        "param1 float32[6] [0:6]",
+        "param2 float32[3,6] [0:18]",
+        "param3 float32[3] [0:3]",
+    ]
+    saved = residuals_of(original, model.module)
+    assert all(residual.abs().max() > 0 for residual in saved)
 
     resumed_state = GradqHookState(aggregator, job_id="ckpt-resumed")
     resumed_state.load_state_dict(checkpoint)
     assert resumed_state.config == CONFIG and resumed_state.error_feedback and resumed_state.step == 3
     resumed = model_with(resumed_state)
-    fresh = model_with(GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ckpt-fresh"))
-    # First iteration: the initial layout, which the checkpoint's residual does not fit (it waits).
-    assert torch.equal(gradients(resumed, 3), gradients(fresh, 3))
-    assert list(resumed_state.state_dict()["residuals"]) == [REBUILT, INITIAL]
-    # Second: the rebuilt layout takes the checkpoint's residual, not the first iteration's.
-    torch.testing.assert_close(gradients(resumed, 7), reference, rtol=0, atol=0)
-    assert not torch.equal(gradients(fresh, 7), reference)
-    assert list(resumed_state.state_dict()["residuals"]) == [REBUILT]
+    plain = copy.deepcopy(resumed.module)
+    # The first iteration runs in the initial layout (model order), not the checkpoint's: with a
+    # float32 return and world 1, the mean is g + e_restored - e_new, parameter by parameter.
+    mean = per_parameter(plain, gradients(resumed, 3))
+    exact = per_parameter(plain, gradients(plain, 3))
+    left = residuals_of(resumed_state, plain)
+    for serial, (m, g, new, old) in enumerate(zip(mean, exact, left, saved, strict=True)):
+        torch.testing.assert_close(m - g + new, old, rtol=0, atol=1e-5, msg=f"parameter {serial}")
+    resumed_state.close()
+    original.close()
 
 
 def test_load_state_dict_refuses_a_started_state_and_bad_checkpoints(aggregator: str, group: None) -> None:
@@ -96,6 +115,10 @@ def test_load_state_dict_refuses_a_started_state_and_bad_checkpoints(aggregator:
         state.load_state_dict({key: value for key, value in checkpoint.items() if key != "residuals"})
     with pytest.raises(ValueError, match=r"state_dict\['step'\]=-1 is invalid"):
         state.load_state_dict({**checkpoint, "step": -1})
+    with pytest.raises(ValueError, match=r"residuals key 'bucket0' is invalid; expected 'param<serial>"):
+        state.load_state_dict({**checkpoint, "residuals": {"bucket0": torch.zeros(3)}})
+    with pytest.raises(ValueError, match=r"expected a flat torch.Tensor of 3 elements"):
+        state.load_state_dict({**checkpoint, "residuals": {"param0 float32[6,8] [0:3]": torch.zeros(4)}})
     with pytest.raises(ValueError, match="bits=9 is out of range"):
         state.load_state_dict({**checkpoint, "config": {**checkpoint["config"], "bits": 9}})
     gradients(model_with(state), 0)
