@@ -28,9 +28,9 @@ class PulledMean:
     skipped: bool = False  # a rank reported NaN/Inf: the values are zeros, skip the step
 
 
-def join_request(job_id: str, rank: int, world_size: int, incarnation: str = "") -> pb.JoinRequest:
-    """A Join for one rank of one run (``incarnation``) of the job."""
-    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation)
+def join_request(job_id: str, rank: int, world_size: int, incarnation: str = "", ranks: int = 1) -> pb.JoinRequest:
+    """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ranks."""
+    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, ranks=ranks)
 
 
 def leave_request(job_id: str, rank: int, incarnation: str = "") -> pb.LeaveRequest:

@@ -69,6 +69,10 @@ class WorkerClient:
         incarnation: names this run of the job, the same on every rank (e.g. a
             uuid rank 0 draws and broadcasts); a rerun or restart with the same
             ``job_id`` passes a new one. "" gives none.
+        ranks: how many of the job's ranks this member stands for: 1, or under
+            two-level aggregation the ranks of the host whose sum it pushes
+            (``rank`` and ``world_size`` then count hosts); the aggregator
+            divides the sum of a round by the ranks its contributors stand for.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class WorkerClient:
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         max_in_flight: int | None = None,
         incarnation: str = "",
+        ranks: int = 1,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -101,12 +106,15 @@ class WorkerClient:
             raise ValueError(f"timeout_s={timeout_s} is invalid; expected > 0")
         if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 0:
             raise ValueError(f"chunk_elements={chunk_elements!r} is invalid; expected an integer >= 0 (0 never splits)")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks={ranks!r} is invalid; expected an integer >= 1")
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
         self.incarnation = incarnation
         self.rank = rank
         self.world_size = world_size
+        self.ranks = ranks
         self.config = config or QuantConfig()
         self.timeout_s = timeout_s
         channel = self.config.channel_size
@@ -151,7 +159,7 @@ class WorkerClient:
         decode(encode(np.zeros(8, np.float32), self.config))
 
     def _join_shard(self, shard: int) -> None:
-        request = serde.join_request(self.job_id, self.rank, self.world_size, self.incarnation)
+        request = serde.join_request(self.job_id, self.rank, self.world_size, self.incarnation, self.ranks)
         try:
             self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:

@@ -50,6 +50,8 @@ class Job:
     memory: MemoryAccount  # its share of the memory budget
     creator: str = ""  # the client host whose Join started it (counted against --max-jobs-per-peer)
     joined: set[int] = field(default_factory=set)
+    # Member -> how many ranks it stands for (a host's ranks under two-level aggregation; 1 by default).
+    ranks: dict[int, int] = field(default_factory=dict)
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
     rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
     open: set[Round] = field(default_factory=set)  # rounds of ``rounds`` still in flight
@@ -93,25 +95,32 @@ class JobTable:
         self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
 
     def join(
-        self, job_id: str, rank: int, world_size: int, incarnation: str, now: float, peer: str = ""
+        self, job_id: str, rank: int, world_size: int, incarnation: str, now: float, peer: str = "", ranks: int = 1
     ) -> tuple[Job, list[Retired]]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
         ``peer`` is the calling client host; a Join that starts a job counts
         against that host's --max-jobs-per-peer until the job is forgotten.
+        ``ranks`` is how many of the job's ranks the member stands for (a
+        host's, under two-level aggregation); every Join of a member must agree.
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation).
 
         Raises:
-            InvalidArgumentError: bad job id, world size or rank.
-            FailedPreconditionError: world size disagrees, or the incarnation was superseded.
+            InvalidArgumentError: bad job id, world size, rank or ranks.
+            FailedPreconditionError: world size or a member's ranks disagree, or the incarnation was superseded.
             ResourceExhaustedError: --max-jobs jobs exist already, or ``peer`` has
                 started --max-jobs-per-peer of them.
             UnavailableError: the aggregator is shutting down.
         """
         _check_job_id(job_id)
         self._check_world(world_size, rank)
+        if not 1 <= ranks <= self.limits.max_world_size:
+            raise InvalidArgumentError(
+                f"ranks={ranks} is invalid; expected 1..{self.limits.max_world_size} (--max-world-size): "
+                f"the ranks member {rank} stands for"
+            )
         retired: list[Retired] = []
         with self.lock:
             if self.closing:
@@ -147,8 +156,14 @@ class JobTable:
                 raise FailedPreconditionError(
                     f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
                 )
+            if job.ranks.get(rank, ranks) != ranks:
+                raise FailedPreconditionError(
+                    f"ranks={ranks} does not match {job.describe()}, where member {rank} stands for "
+                    f"{job.ranks[rank]} ranks; every rank of a host must join with the host's rank count"
+                )
             rejoined = rank in job.joined
             job.joined.add(rank)
+            job.ranks[rank] = ranks
             job.last_active = now
             joined = len(job.joined)
         log.info(

@@ -79,7 +79,9 @@ class RoundCloser:
             return
         if self._observer is not None:
             rnd.relative_error = relative_error(mean, encoded)
-        result = RoundResult(encoded, tuple(sorted(rnd.contributors)), missing, skipped=bool(rnd.non_finite))
+        result = RoundResult(
+            encoded, tuple(sorted(rnd.contributors)), missing, ranks=rnd.ranks, skipped=bool(rnd.non_finite)
+        )
         rnd.result = replace(result, packaged=self._package(result)) if self._package else result
         log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
         outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"

@@ -29,6 +29,7 @@ class RoundResult:
     mean: QuantizedArray
     contributors: tuple[int, ...]
     missing: tuple[int, ...] = ()
+    ranks: int = 0  # the ranks the contributors stand for: what the mean divides by
     skipped: bool = False  # a rank reported non-finite values; the mean is zeros
     # The answer in its wire form, built once per round by the table's ``package``
     # callable, so W waiters do not serialize the same mean W times.
@@ -59,6 +60,7 @@ class Round:
         "non_finite",
         "opened_at",
         "pushed",
+        "ranks",
         "received_bytes",
         "relative_error",
         "result",
@@ -86,6 +88,7 @@ class Round:
         self.received_bytes = 0
         self.relative_error: float | None = None
         self.contributors: set[int] = set()
+        self.ranks = 0  # the ranks the contributors stand for (more than one each under two-level aggregation)
         # rank -> digest of what it pushed, so a resend with other content is refused, not answered.
         self.digests: dict[int, int] = {}
         # The calls waiting for this round, woken when it finishes. Their own lock, held for
@@ -99,21 +102,23 @@ class Round:
     def describe(self, job_id: str) -> str:
         return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
 
-    def accumulate(self, tensor: QuantizedArray, last: bool) -> None:
+    def accumulate(self, tensor: QuantizedArray, last: bool, ranks: int) -> None:
         """Dequantize a finite contribution into the accumulator.
 
         The first one is written, not added (the accumulator is never zeroed);
-        the round's ``last`` one divides by the ranks in the same pass, turning
-        the sum into the mean without another pass over the bucket.
+        the round's ``last`` one divides by ``ranks`` (those the contributors,
+        this one included, stand for) in the same pass, turning the sum into the
+        mean without another pass over the bucket.
         """
         assert self.accumulator is not None, "the round has been released"
         last = last and not self.non_finite
         if self.decoded:
-            decode_accumulate(tensor, self.accumulator, divide_by=len(self.contributors) + 1 if last else 1)
+            decode_accumulate(tensor, self.accumulator, divide_by=ranks if last else 1)
+            self.averaged = last
         else:
             decode(tensor, out=self.accumulator)
+            self.averaged = last and ranks == 1
         self.decoded += 1
-        self.averaged = last
 
     def mean(self) -> np.ndarray:
         """The accumulator turned into the mean over the contributors; zeros when a rank reported NaN/Inf."""
@@ -122,5 +127,5 @@ class Round:
         if self.non_finite or not self.decoded:
             mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
         elif not self.averaged:
-            mean /= np.float32(len(self.contributors))
+            mean /= np.float32(self.ranks)
         return mean

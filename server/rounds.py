@@ -82,7 +82,9 @@ class RoundTable:
 
     # -- membership -------------------------------------------------------------------------
 
-    def join(self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = "") -> tuple[int, int]:
+    def join(
+        self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = "", ranks: int = 1
+    ) -> tuple[int, int]:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Returns:
@@ -92,7 +94,7 @@ class RoundTable:
             InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
             UnavailableError: see ``JobTable.join``.
         """
-        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock(), peer)
+        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock(), peer, ranks)
         self._retire(retired)
         with self.jobs.lock:
             return job.world_size, len(job.joined)
@@ -228,8 +230,9 @@ class RoundTable:
                     f"a resend must carry the same content (retry with the original payload)"
                 )
             if not rnd.done.is_set() and rank not in rnd.contributors:
+                ranks = job.ranks.get(rank, 1)
                 if not non_finite:
-                    rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size)
+                    rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size, ranks=rnd.ranks + ranks)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
@@ -238,6 +241,7 @@ class RoundTable:
                 else:
                     rnd.non_finite.add(rank)
                 rnd.contributors.add(rank)
+                rnd.ranks += ranks
                 rnd.digests[rank] = digest
                 rnd.arrivals[rank] = self._clock()
                 rnd.received_bytes += tensor.nbytes

@@ -75,7 +75,7 @@ def contribution_from_bytes(data: bytes) -> Contribution:
 def result_to_bytes(result: RoundResult) -> bytes:
     """The serialized PushPullResponse every waiter of a finished round receives."""
     response = pb.PushPullResponse(
-        contributors=len(result.contributors),
+        contributors=result.ranks,
         partial=result.partial,
         missing_ranks=result.missing,
         skipped=result.skipped,

@@ -94,7 +94,14 @@ class AggregatorServicer:
         await _call(context, check_scope, request.job_id, request.rank)
         peer = peer_host(context.peer())
         world_size, joined = await _in_pool(
-            context, self.table.join, request.job_id, request.rank, request.world_size, request.incarnation, peer
+            context,
+            self.table.join,
+            request.job_id,
+            request.rank,
+            request.world_size,
+            request.incarnation,
+            peer,
+            request.ranks or 1,
         )
         return serde.join_to_proto(world_size, joined, self.server_id).SerializeToString()
 

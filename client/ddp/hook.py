@@ -7,6 +7,7 @@ the gRPC completion callback fills the returned future with the averaged bucket.
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
 # registration and needs real types, not strings.
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -20,6 +21,7 @@ from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduc
 from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
 from gradq.client.ddp.env import hook_arguments_from_env
 from gradq.client.ddp.errors import BackwardFailures
+from gradq.client.ddp.host_groups import HOST_GROUPINGS, HostGroup, find_host_group, push_through_host
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.ddp.residuals import ParameterResiduals
@@ -49,6 +51,8 @@ _UNPICKLED = frozenset(
         "_client",
         "_closed",
         "_failures",
+        "_gather_pool",
+        "_host",
         "_membership",
         "_mode",
         "_residuals",
@@ -87,6 +91,13 @@ class GradqHookState:
         codec: where buckets are quantized: "auto" (on their device: the torch
             codec for GPU buckets, numpy for CPU ones), "torch" (on their
             device, CPU included) or "numpy" (copied to the host first).
+        host_grouping: "auto" reduces inside each host first where hosts hold
+            several ranks (two-level aggregation, see
+            gradq.client.ddp.host_groups), hosts found from ``host`` or the
+            launcher (torchrun's GROUP_RANK, Lightning's and Ray Train's
+            NODE_RANK); "flat" pushes every rank's whole bucket.
+        host: this rank's host name, for launchers that set no node rank:
+            ranks given the same name reduce together (None: the launcher's).
     """
 
     __slots__ = (
@@ -94,6 +105,8 @@ class GradqHookState:
         "_client",  # WorkerClient: a live channel, left out of the pickled form
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_failures",  # bucket failures held until DDP's backward ends, then raised typed
+        "_gather_pool",  # one thread that gathers mean pieces inside the host, in bucket order
+        "_host",  # this rank's place among the job's hosts, found at connect (see host_groups)
         "_membership",  # leaves the job once, at close / collection / exit
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
         "_residuals",  # keeps error feedback on its parameters across bucket rebuilds and checkpoints
@@ -105,6 +118,8 @@ class GradqHookState:
         "connect_timeout_s",  # first join's patience
         "error_feedback",  # whether residuals are kept
         "fallback",  # behaviour when the aggregator is unreachable at start
+        "host",  # explicit host name for launchers that set none (None: from the launcher)
+        "host_grouping",  # "auto" (two-level where hosts hold several ranks) or "flat"
         "incarnation",  # this run of the job, drawn by rank 0 at connect (None before)
         "job_id",  # round namespace on the aggregator, same on every rank
         "max_in_flight",  # pushes per shard on the wire at once
@@ -129,6 +144,8 @@ class GradqHookState:
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         max_in_flight: int | None = DEFAULT_HOOK_IN_FLIGHT,
         codec: str = "auto",
+        host_grouping: str = "auto",
+        host: str | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -153,6 +170,10 @@ class GradqHookState:
         if codec not in CODECS:
             raise ValueError(f"codec={codec!r} is invalid; expected one of {', '.join(CODECS)}")
         self.codec = codec
+        if host_grouping not in HOST_GROUPINGS:
+            raise ValueError(f"host_grouping={host_grouping!r} is invalid; expected one of {', '.join(HOST_GROUPINGS)}")
+        self.host_grouping = host_grouping
+        self.host = host
         self.step = 0
         self._reset_connection()
 
@@ -180,6 +201,8 @@ class GradqHookState:
         self._client: WorkerClient | None = None
         self._mode: str | None = None
         self._sender_pool: ThreadPoolExecutor | None = None
+        self._gather_pool: ThreadPoolExecutor | None = None
+        self._host: HostGroup | None = None
         self._membership: Membership | None = None
         self._failures = BackwardFailures()
         self._residuals = ParameterResiduals()
@@ -214,12 +237,23 @@ class GradqHookState:
             self._sender_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-sender")
         return self._sender_pool
 
+    def _gatherer(self) -> ThreadPoolExecutor:
+        if self._gather_pool is None:
+            self._gather_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-gather")
+        return self._gather_pool
+
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__ if name not in _UNPICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Fields added since the first release, for states pickled before them.
-        defaults = {"chunk_elements": DEFAULT_CHUNK_ELEMENTS, "max_in_flight": DEFAULT_HOOK_IN_FLIGHT, "codec": "auto"}
+        defaults = {
+            "chunk_elements": DEFAULT_CHUNK_ELEMENTS,
+            "max_in_flight": DEFAULT_HOOK_IN_FLIGHT,
+            "codec": "auto",
+            "host_grouping": "auto",
+            "host": None,
+        }
         for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
         self.process_group = None
@@ -229,6 +263,11 @@ class GradqHookState:
     def client(self) -> WorkerClient | None:
         """The live WorkerClient (None before the first bucket or under a fallback)."""
         return self._client
+
+    @property
+    def host_group(self) -> HostGroup | None:
+        """This rank's place among the job's hosts (None before the first bucket)."""
+        return self._host
 
     @property
     def mode(self) -> str | None:
@@ -251,6 +290,9 @@ class GradqHookState:
         if self._sender_pool is not None:
             self._sender_pool.shutdown(wait=True)  # pushes already handed over go out before the Leave
             self._sender_pool = None
+        if self._gather_pool is not None:
+            self._gather_pool.shutdown(wait=True)
+            self._gather_pool = None
         if self._membership is not None:
             self._membership.close()
             self._membership = None
@@ -272,14 +314,16 @@ class GradqHookState:
     def _connect(self) -> None:
         """Join on every shard; all ranks then agree on gradq or the fallback."""
         group = self._group()
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.job_id, self.incarnation = draw_run_names(group, self.job_id)
+        # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
+        host = self._host = find_host_group(group, self.host_grouping, self.host, os.environ, self.timeout_s)
         client = WorkerClient(
             self.addresses,
             self.job_id,
-            rank,
-            world_size,
+            host.host,
+            host.hosts,
             self.config,
+            ranks=host.local_size,
             error_feedback=self.error_feedback,
             timeout_s=self.timeout_s,
             security=self.security,
@@ -338,14 +382,24 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     if bucket.is_last():
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
-    segments = [] if sparse else [(bucket.index(), 0, bucket.buffer().numel())]
+    host, client, buffer = state._host, state.client, bucket.buffer()
+    assert host is not None and client is not None
+    if sparse:
+        segments = []
+    elif host.flat:
+        segments = [(bucket.index(), 0, buffer.numel())]
+    else:
+        segments = host.segments(bucket.index(), buffer.numel(), state.config.channel_size)
     if state.error_feedback:
         state._residuals.observe(state, bucket, segments)
     if sparse:
         # A sparse gradient (nn.Embedding(sparse=True)) has no dense grid to quantize: its
         # bucket is averaged by the process group, uncompressed, as DDP's default hook does.
         return _fallback_allreduce(state, bucket)
-    return state._failures.guard(_push_bucket(state, bucket, step), bucket.buffer())
+    if host.flat:
+        return state._failures.guard(_push_bucket(state, bucket, step), buffer)
+    reduced = push_through_host(host, client, buffer, step, segments, state.codec, state._sender(), state._gatherer())
+    return state._failures.guard(reduced, buffer)
 
 
 def _push_bucket(state: GradqHookState, bucket: dist.GradBucket, step: int) -> torch.futures.Future[torch.Tensor]:

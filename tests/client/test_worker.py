@@ -321,3 +321,35 @@ def test_a_failed_bucket_answers_only_once_every_chunk_has_landed() -> None:
     parts[1].set_result(out[2:])
     with pytest.raises(AggregationError, match="round failed"):
         bucket.result(timeout=1)
+
+
+def test_members_standing_for_several_ranks_weight_the_mean_by_ranks(start: Start) -> None:
+    """Two-level aggregation's wire: a host pushes the sum of its ranks and joins standing for them."""
+    server = start(RoundPolicy(round_timeout_s=10.0))
+    config = QuantConfig(scheme=Scheme.FLOAT32)
+    host_ranks = {0: 3, 1: 1}  # uneven hosts: 3 ranks here, 1 there
+    host_sums = {0: np.full(64, 3.0 * 2.0, np.float32), 1: np.full(64, 6.0, np.float32)}  # ranks 2,2,2 and 6
+    means: dict[int, np.ndarray] = {}
+
+    def work(host: int) -> None:
+        with WorkerClient([f"127.0.0.1:{server.port}"], "hosts", host, 2, config, ranks=host_ranks[host]) as client:
+            means[host] = client.push_pull(0, 0, host_sums[host])
+
+    run_ranks(2, work)
+    for host in (0, 1):
+        np.testing.assert_array_equal(means[host], np.full(64, (6.0 + 6.0) / 4, np.float32))  # mean over 4 ranks
+    metrics = server.table.counters
+    assert metrics["contributions"] == 2
+
+
+def test_a_member_must_always_stand_for_the_same_ranks(start: Start) -> None:
+    server = start(RoundPolicy(round_timeout_s=10.0))
+    address = f"127.0.0.1:{server.port}"
+    with WorkerClient([address], "weights", 0, 2, ranks=2) as client:
+        client.join()
+        with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: ranks=3 does not match .*for 2 ranks"):
+            WorkerClient([address], "weights", 0, 2, ranks=3).join()
+        with pytest.raises(AggregationError, match=r"INVALID_ARGUMENT: ranks=5000 is invalid; expected 1\.\.1024"):
+            WorkerClient([address], "weights", 1, 2, ranks=5000).join()
+    with pytest.raises(ValueError, match="ranks=0 is invalid; expected an integer >= 1"):
+        WorkerClient([address], "weights", 0, 2, ranks=0)

@@ -197,3 +197,21 @@ def test_server_error_feedback_carries_the_return_error_forward() -> None:
         totals[feedback] = float(np.abs(sent / 40 - x).max())
     step_size = 2.0 / 3  # 2 bits over [-1, 1]
     assert totals[True] < 0.1 * step_size < totals[False]
+
+
+def test_a_round_divides_by_the_ranks_its_members_stand_for_also_when_partial() -> None:
+    table = RoundTable(RoundPolicy(round_timeout_s=0.5, partial_quorum=1, return_scheme=Scheme.FLOAT32))
+    for host, ranks in enumerate((3, 1, 2)):
+        table.join("job", host, 3, ranks=ranks)
+    sums = {0: 3 * 2.0, 1: 6.0, 2: 2 * 5.0}  # each host pushes the sum over its ranks
+    results = contribute_all(table, [0, 1, 2], lambda host: np.full(8, sums[host], np.float32))
+    for result in results.values():
+        assert isinstance(result, RoundResult)
+        np.testing.assert_array_equal(decode(result.mean), np.full(8, 22.0 / 6, np.float32))
+        assert result.ranks == 6 and result.contributors == (0, 1, 2)
+    # Host 2 (2 ranks) misses the deadline: the partial mean is over the 4 ranks present, and says so.
+    results = contribute_all(table, [0, 1], lambda host: np.full(8, sums[host], np.float32), step=1)
+    for result in results.values():
+        assert isinstance(result, RoundResult)
+        np.testing.assert_array_equal(decode(result.mean), np.full(8, 12.0 / 4, np.float32))
+        assert result.ranks == 4 and result.missing == (2,)

@@ -1,0 +1,242 @@
+"""Two-level aggregation: reduce a bucket inside each host, push only this rank's slices across the host's link.
+
+A host holds several ranks behind one network link. Pushing every rank's whole
+bucket would carry L times the compressed bucket through that link; instead:
+
+- **Pieces.** Every host cuts a bucket into the same P pieces of whole channels,
+  P being the most ranks any host of the job holds, so the aggregator's round
+  for piece p gets exactly one contribution per host. Piece p of bucket b
+  travels as round key ``b * P + p`` (spread over the shards like buckets).
+- **Ownership.** On a host of L ranks, local rank j owns the pieces p with
+  ``p % L == j``: one each when L = P, several on a smaller host (3 + 1 ranks:
+  the lone rank owns all three). A host of one rank runs no collective at all.
+- **A bucket's way.** (1) The host's ranks sum the bucket in fp32 over their
+  local process group (gloo on loopback, NCCL inside a GPU host), issued from
+  the autograd thread in DDP's bucket order. (2) Each rank pushes its pieces of
+  that sum, compressed, as member ``host`` of the aggregator's job, standing
+  for the host's L ranks: the aggregator divides the sum over hosts by the
+  ranks they stand for, so the mean stays the mean over every rank of the job
+  (also for partial rounds). (3) The mean pieces are written into a zeroed
+  buffer and summed over the host's ranks again (each piece has one owner),
+  from one thread in bucket order, on a second local group so that step 3 of
+  one bucket never interleaves with step 1 of a later one differently on two
+  ranks.
+
+The host's link thus carries 1/L of the flat path's bytes each way and the
+aggregator decodes one contribution per host. Hosts are found from the
+launcher (see ``host_key``); one rank per host keeps the flat path unchanged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradq.client.ddp.placement import on_callers_stream, quantizes_on_device
+from gradq.client.ddp.residuals import Segment
+from gradq.client.sending import AggregationError
+from gradq.client.worker import WorkerClient
+from gradq.qcore import channel_count
+
+__all__ = ["HOST_GROUPINGS", "HostGroup", "find_host_group", "host_key", "piece_bounds", "push_through_host"]
+
+log = logging.getLogger(__name__)
+
+# "auto": hosts from the launcher's variables (flat where it sets none); "flat": every rank its own host.
+HOST_GROUPINGS = ("auto", "flat")
+
+# The variables launchers set that name a rank's host, checked in this order: torchrun's
+# node rank, then Lightning's and Ray Train's.
+_LAUNCHER_HOST_VARIABLES = ("GROUP_RANK", "NODE_RANK")
+
+
+@dataclass(frozen=True, slots=True)
+class HostGroup:
+    """Where this rank stands among the job's hosts (see the module docstring)."""
+
+    host: int  # this host's index: its member id at the aggregator
+    hosts: int  # hosts in the job: the aggregator's world size
+    local_rank: int  # this rank's place among its host's ranks
+    local_size: int  # ranks on this host: what its contributions stand for
+    pieces: int  # P: the most ranks any host holds; every bucket is cut into this many pieces
+    reduce_group: dist.ProcessGroup | None  # the host's ranks, summing buckets (None: alone on the host)
+    gather_group: dist.ProcessGroup | None  # the same ranks, gathering mean pieces
+
+    @property
+    def flat(self) -> bool:
+        """Every host holds one rank: buckets travel whole, as round key = bucket index."""
+        return self.pieces == 1
+
+    def segments(self, index: int, numel: int, channel_size: int) -> list[Segment]:
+        """The pieces of bucket ``index`` this rank pushes: (round key, begin, end)."""
+        bounds = piece_bounds(numel, channel_size, self.pieces)
+        return [
+            (index * self.pieces + piece, begin, end)
+            for piece, (begin, end) in enumerate(bounds)
+            if piece % self.local_size == self.local_rank and end > begin
+        ]
+
+    def describe(self) -> str:
+        """``host 1 of 2, local rank 0 of 3`` for logs."""
+        return f"host {self.host} of {self.hosts}, local rank {self.local_rank} of {self.local_size}"
+
+
+def piece_bounds(numel: int, channel_size: int, pieces: int) -> list[tuple[int, int]]:
+    """``pieces`` spans of whole channels covering ``numel`` elements, sizes differing by at most one channel.
+
+    A span may be empty when the bucket has fewer channels than pieces; every
+    host computes the same spans, so all skip the same empty ones.
+    """
+    channels = channel_count(numel, channel_size)
+    edges = [min(channels * piece // pieces * channel_size, numel) for piece in range(pieces + 1)]
+    return list(itertools.pairwise(edges))
+
+
+def host_key(rank: int, grouping: str, host: str | None, environ: Mapping[str, str]) -> str:
+    """The name ranks of one host share: ``host`` if given, else the launcher's node rank, else the rank's own.
+
+    Args:
+        rank: this rank in DDP's group.
+        grouping: one of ``HOST_GROUPINGS``.
+        host: an explicit host name (GradqHookState's ``host``, GRADQ_HOST); wins under "auto".
+        environ: the launcher's variables.
+    """
+    if grouping not in HOST_GROUPINGS:
+        raise ValueError(f"host_grouping={grouping!r} is invalid; expected one of {', '.join(HOST_GROUPINGS)}")
+    if grouping == "auto":
+        if host:
+            return f"host={host}"
+        for name in _LAUNCHER_HOST_VARIABLES:
+            if environ.get(name, "").strip():
+                return f"{name}={environ[name].strip()}"
+    return f"rank={rank}"
+
+
+def find_host_group(
+    group: dist.ProcessGroup, grouping: str, host: str | None, environ: Mapping[str, str], timeout_s: float
+) -> HostGroup:
+    """Agree with every rank of ``group`` on the hosts, and make the local groups; collective over ``group``.
+
+    Two-level needs DDP's group to be the default one (every process takes
+    part in making each host's groups); under a subgroup, or when every host
+    holds one rank, the result is flat and makes no group.
+    """
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    keys: list[Any] = [None] * world
+    dist.all_gather_object(keys, host_key(me, grouping, host, environ), group=group)
+    members: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        members.setdefault(key, []).append(rank)
+    mine = members[keys[me]]
+    pieces = max(len(ranks) for ranks in members.values())
+    if pieces > 1 and world != dist.get_world_size():
+        log.warning("DDP's process group is not the default group: hosts reduce flat, one rank per host")
+        return HostGroup(me, world, 0, 1, 1, None, None)
+    reduce_group = gather_group = None
+    global_ranks = dist.get_process_group_ranks(group)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for ranks in members.values():  # every rank makes every host's groups, in the same order
+        if len(ranks) > 1:
+            reducing = dist.new_group([global_ranks[rank] for rank in ranks], timeout=timeout)
+            gathering = dist.new_group([global_ranks[rank] for rank in ranks], timeout=timeout)
+            if ranks is mine:
+                reduce_group, gather_group = reducing, gathering
+    found = HostGroup(
+        list(members).index(keys[me]), len(members), mine.index(me), len(mine), pieces, reduce_group, gather_group
+    )
+    if pieces > 1:
+        log.info("two-level aggregation: %s (%d ranks, %d pieces per bucket)", found.describe(), world, pieces)
+    return found
+
+
+def push_through_host(
+    host: HostGroup,
+    client: WorkerClient,
+    buffer: torch.Tensor,
+    step: int,
+    segments: list[Segment],
+    codec: str,
+    sender: concurrent.futures.Executor,
+    gatherer: concurrent.futures.Executor,
+) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP bucket in two levels (see the module docstring); returns at once.
+
+    Args:
+        host: this rank's place among the hosts.
+        client: the connected worker client (member ``host.host``, standing for ``host.local_size`` ranks).
+        buffer: DDP's flat bucket.
+        step: the round's step.
+        segments: ``host.segments(...)`` of this bucket.
+        codec: the hook's codec choice (see gradq.client.ddp.placement).
+        sender: the one thread that encodes and pushes, in bucket order.
+        gatherer: the one thread that gathers mean pieces inside the host, in bucket order.
+
+    Returns:
+        A future of the mean bucket, shaped and typed like ``buffer``; it fails
+        with this rank's AggregationError, or one naming the host when another
+        of its ranks failed its pieces.
+    """
+    numel = buffer.numel()
+    summed = buffer.detach().reshape(-1).to(torch.float32, copy=True)  # the host's sum, in fp32 whatever the bucket
+    reduced = None if host.reduce_group is None else dist.all_reduce(summed, group=host.reduce_group, async_op=True)
+    on_device = quantizes_on_device(buffer.device, codec)
+    # One element more: set by a rank that failed its pieces, so the whole host fails together.
+    gathered = torch.zeros(numel + 1, dtype=torch.float32, device=buffer.device if on_device else "cpu")
+    pushed: concurrent.futures.Future[list[concurrent.futures.Future[Any]]] = concurrent.futures.Future()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    dtype = str(buffer.dtype).removeprefix("torch.")
+
+    @on_callers_stream(buffer)
+    def push() -> None:
+        try:
+            if reduced is not None:
+                reduced.wait()
+            values = summed if on_device else summed.cpu().numpy()
+            out = gathered if on_device else gathered.numpy()
+            pushed.set_result(
+                [
+                    client.push_pull_async(step, key, values[begin:end], out=out[begin:end], dtype=dtype)
+                    for key, begin, end in segments
+                ]
+            )
+        except Exception as error:  # every rank of the host still gathers, then all fail
+            pushed.set_exception(error)
+
+    def gather() -> None:
+        failure: BaseException | None = None
+        try:
+            for part in pushed.result():
+                part.result()
+        except Exception as error:
+            failure = error
+        mean = gathered.to(buffer.device)
+        if failure is not None:
+            mean.zero_()
+            mean[numel] = 1.0
+        try:
+            if host.gather_group is not None:
+                dist.all_reduce(mean, group=host.gather_group)
+        except Exception as error:
+            failure = failure or error
+        if failure is None and mean[numel].item() > 0:
+            failure = AggregationError(
+                client.addresses[0],
+                None,
+                f"another rank of {host.describe().split(',')[0]} failed its pieces of step {step}",
+            )
+        if failure is not None:
+            result.set_exception(failure)  # type: ignore[arg-type]  # torch's stub says Tensor
+        else:
+            result.set_result(mean[:numel].to(buffer.dtype).view_as(buffer))
+
+    sender.submit(push)
+    gatherer.submit(gather)
+    return result

@@ -1,0 +1,124 @@
+"""Spawned ranks on emulated hosts for the two-level tests: each rank is told its host as torchrun would tell it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from gradq.client.ddp import GradqHookState, gradq_hook
+from gradq.qcore import QuantConfig
+
+
+@dataclass
+class RankRun:
+    """What one rank did: the reduced gradient of each step and what its state ended with."""
+
+    rank: int
+    reduced: list[np.ndarray]
+    host: tuple[int, int, int, int, int]  # (host, hosts, local_rank, local_size, pieces)
+    bytes_sent: int
+    residuals: dict[str, np.ndarray] = field(default_factory=dict)
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class HostJob:
+    """One job of ``len(hosts)`` ranks; ``hosts[r]`` is rank r's host (torchrun's GROUP_RANK)."""
+
+    hosts: tuple[int, ...]
+    aggregator: str
+    job_id: str
+    init_method: str
+    config: QuantConfig
+    error_feedback: bool = False
+    host_grouping: str = "auto"
+    pieces: int = 1  # parameters of the probe, each in its own bucket when > 1
+    checkpoints: tuple[dict[str, object], ...] | None = None  # per rank, from a previous job's RankRun
+
+
+def run_rank(rank: int, job: HostJob, gradients: list[list[np.ndarray]], queue: mp.SimpleQueue) -> None:
+    """One rank: set the launcher's variables, train the probe on ``gradients[rank]``, report a RankRun."""
+    import ddp_probe  # on sys.path in the spawned child as in the test process
+
+    host = job.hosts[rank]
+    local = [other for other, its_host in enumerate(job.hosts) if its_host == host]
+    os.environ.update(GROUP_RANK=str(host), LOCAL_RANK=str(local.index(rank)), LOCAL_WORLD_SIZE=str(len(local)))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=job.init_method, rank=rank, world_size=len(job.hosts))
+    try:
+        probe = ddp_probe.Probe(gradients[0][0].size, torch.float32, job.pieces)
+        model = DistributedDataParallel(probe, bucket_cap_mb=1e-6 if job.pieces > 1 else 25)
+        state = GradqHookState(
+            job.aggregator,
+            job.config,
+            error_feedback=job.error_feedback,
+            job_id=job.job_id,
+            host_grouping=job.host_grouping,
+        )
+        if job.checkpoints is not None:
+            checkpoint = dict(job.checkpoints[rank])
+            checkpoint["residuals"] = {
+                name: torch.from_numpy(values)
+                for name, values in checkpoint["residuals"].items()  # type: ignore[attr-defined]
+            }
+            state.load_state_dict(checkpoint)
+        model.register_comm_hook(state, gradq_hook)
+        reduced = []
+        for step_gradient in gradients[rank]:
+            model.zero_grad()
+            model(torch.from_numpy(step_gradient)).backward()
+            reduced.append(torch.cat([p.grad for p in probe.pieces if p.grad is not None]).numpy().copy())
+        group = state.host_group
+        assert group is not None
+        saved = state.state_dict()
+        stats = state.stats()
+        queue.put(
+            RankRun(
+                rank,
+                reduced,
+                (group.host, group.hosts, group.local_rank, group.local_size, group.pieces),
+                stats.bytes_sent if stats is not None else 0,
+                {name: values.numpy() for name, values in saved["residuals"].items()},
+                saved["step"],
+            )
+        )
+        state.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # see ddp_probe.reduced_gradients
+
+
+def run(job: HostJob, gradients: list[list[np.ndarray]]) -> list[RankRun]:
+    """Spawn the job's ranks; their runs in rank order."""
+    queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(run_rank, args=(job, gradients, queue), nprocs=len(job.hosts), join=False)
+    runs: dict[int, RankRun] = {}
+    while True:
+        while not queue.empty():
+            done = queue.get()
+            runs[done.rank] = done
+        if ranks.join(timeout=0.2):
+            break
+    while not queue.empty():
+        done = queue.get()
+        runs[done.rank] = done
+    return [runs[rank] for rank in sorted(runs)]
+
+
+def checkpoints_of(runs: list[RankRun], config: QuantConfig) -> tuple[dict[str, object], ...]:
+    """Each rank's state_dict() as the next job loads it."""
+    grid = {
+        "scheme": config.scheme.name.lower(),
+        "bits": config.bits,
+        "channel_size": config.channel_size,
+        "rounding": config.rounding.name.lower(),
+        "seed": config.seed,
+    }
+    return tuple({"step": run.step, "config": grid, "error_feedback": True, "residuals": run.residuals} for run in runs)
