@@ -68,8 +68,9 @@ def main() -> None:
         optimizer.step()
         losses.append(loss.item())
     if rank == 0:
+        hosts = state.host_group.describe() if state.host_group is not None else "not connected"
         print(
-            f"attempt {attempt}: job {state.job_id} incarnation {state.incarnation} mode {state.mode}: "
+            f"attempt {attempt}: job {state.job_id} incarnation {state.incarnation} mode {state.mode} ({hosts}): "
             f"{args.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
             flush=True,
         )

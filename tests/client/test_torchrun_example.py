@@ -24,7 +24,11 @@ STEPS = 12
 
 # "join rank 0 of 2 to job 'x' (incarnation='y') (1 joined)", "leave rank 0 from job 'x' (incarnation='y')"
 MEMBERSHIP = re.compile(r"\b(join|rejoin|leave) rank (\d+) .*?job '([^']*)'(?: \(incarnation='([^']*)'\))?")
-FINISHED = re.compile(r"attempt (\d+): job (\S+) incarnation (\w+) mode gradq: (\d+) steps, loss ([\d.]+) -> ([\d.]+)")
+# torchrun puts both ranks on one node (GROUP_RANK=0): one host of 2 ranks, two-level aggregation.
+FINISHED = re.compile(
+    r"attempt (\d+): job (\S+) incarnation (\w+) mode gradq \(host 0 of 1, local rank 0 of 2\): "
+    r"(\d+) steps, loss ([\d.]+) -> ([\d.]+)"
+)
 
 
 @dataclass
