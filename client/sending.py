@@ -57,6 +57,7 @@ class PendingPush:
     result: concurrent.futures.Future[Any]
     attempt: int = 0
     sent_at: float = 0.0  # perf_counter when the latest attempt went out
+    unavailable_since: float | None = None  # perf_counter of the first UNAVAILABLE: how long the shard was tried
 
 
 class ShardSender:
@@ -165,6 +166,8 @@ class ShardSender:
                 )
             pending.result.set_result(pending.out.reshape(pending.shape))
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
+            if pending.unavailable_since is None:
+                pending.unavailable_since = pending.sent_at
             pending.attempt += 1
             delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
             log.info(
@@ -174,25 +177,35 @@ class ShardSender:
             timer.daemon = True
             timer.start()
         else:
-            failure = AggregationError(address, code, call.details() or "")
+            details = call.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE:
+                details = self._unreachable(pending, details)
+            failure = AggregationError(address, code, details)
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._shard_down(pending.shard, failure)
             pending.result.set_exception(failure)
 
+    def _unreachable(self, pending: PendingPush, details: str) -> str:
+        """What a push that ran out of patience says: unreachable, for how long, how often tried."""
+        since = pending.unavailable_since if pending.unavailable_since is not None else pending.sent_at
+        return (
+            f"unreachable: tried for {time.perf_counter() - since:.1f} s ({pending.attempt + 1} attempts, "
+            f"rejoining between them); is the aggregator running? last error: {details}"
+        )
+
     def _retry(self, pending: PendingPush) -> None:
-        # A restarted aggregator has forgotten the job: rejoin (idempotent; waits
-        # up to timeout_s for the shard to come back), then resend the same push.
+        # A restarted aggregator has forgotten the job: rejoin (idempotent; waits a
+        # bounded time for the shard to come back), then resend the same push.
         if self.window.closed:
             self.fail(pending, grpc.StatusCode.CANCELLED, "the client closed while the push waited to retry")
             return
         try:
             self._rejoin(pending.shard)
         except (AggregationError, ValueError) as error:  # ValueError: the channel closed meanwhile
-            failure = (
-                error
-                if isinstance(error, AggregationError)
-                else AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))
-            )
+            if isinstance(error, AggregationError):
+                failure = AggregationError(error.address, error.code, self._unreachable(pending, error.details))
+            else:
+                failure = AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))
             self._shard_down(pending.shard, failure)
             pending.result.set_exception(failure)
             return

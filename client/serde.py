@@ -33,6 +33,11 @@ def join_request(job_id: str, rank: int, world_size: int, incarnation: str = "",
     return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, ranks=ranks)
 
 
+def watch_request(job_id: str, rank: int, incarnation: str = "") -> pb.WatchRequest:
+    """A Watch for one member of one run (``incarnation``) of the job."""
+    return pb.WatchRequest(job_id=job_id, rank=rank, incarnation=incarnation)
+
+
 def leave_request(job_id: str, rank: int, incarnation: str = "") -> pb.LeaveRequest:
     """A Leave for one rank of one run (``incarnation``) of the job."""
     return pb.LeaveRequest(job_id=job_id, rank=rank, incarnation=incarnation)

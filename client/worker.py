@@ -69,6 +69,9 @@ class WorkerClient:
         incarnation: names this run of the job, the same on every rank (e.g. a
             uuid rank 0 draws and broadcasts); a rerun or restart with the same
             ``job_id`` passes a new one. "" gives none.
+        reconnect_timeout_s: how long a retry's rejoin waits for a shard that
+            went away (``join`` waits ``timeout_s``): a dead aggregator is
+            reported unreachable after about this long plus the first backoff.
         ranks: how many of the job's ranks this member stands for: 1, or under
             two-level aggregation the ranks of the host whose sum it pushes
             (``rank`` and ``world_size`` then count hosts); the aggregator
@@ -94,6 +97,7 @@ class WorkerClient:
         max_in_flight: int | None = None,
         incarnation: str = "",
         ranks: int = 1,
+        reconnect_timeout_s: float = 10.0,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -108,6 +112,8 @@ class WorkerClient:
             raise ValueError(f"chunk_elements={chunk_elements!r} is invalid; expected an integer >= 0 (0 never splits)")
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks={ranks!r} is invalid; expected an integer >= 1")
+        if not reconnect_timeout_s > 0:
+            raise ValueError(f"reconnect_timeout_s={reconnect_timeout_s} is invalid; expected > 0")
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
@@ -115,6 +121,7 @@ class WorkerClient:
         self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
+        self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
         self.timeout_s = timeout_s
         channel = self.config.channel_size
@@ -131,6 +138,8 @@ class WorkerClient:
         self._channels = [self.security.channel(address, options) for address in self.addresses]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
+        # One Watch stream per shard, held open while joined (see gradq.server.liveness).
+        self._watches: list[Any] = [None] * len(self.addresses)
         self._stats = StatsRecorder(log_every_s)
         self._pushes_since_sample = 0
         self._sender = ShardSender(
@@ -142,7 +151,7 @@ class WorkerClient:
             retry_backoff_s,
             ShardWindow(len(self.addresses), max_in_flight),
             self._stats,
-            self._join_shard,
+            self._rejoin_shard,
         )
 
     # -- membership ----------------------------------------------------------------------------
@@ -158,13 +167,33 @@ class WorkerClient:
         # Load the compiled kernels now, so the first push is not charged for it.
         decode(encode(np.zeros(8, np.float32), self.config))
 
-    def _join_shard(self, shard: int) -> None:
+    def _rejoin_shard(self, shard: int) -> None:
+        self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
+
+    def _join_shard(self, shard: int, patience: float | None = None) -> None:
         request = serde.join_request(self.job_id, self.rank, self.world_size, self.incarnation, self.ranks)
+        timeout = self.timeout_s if patience is None else patience
         try:
-            self._stubs[shard].Join(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._metadata)
+            self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
             raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
         self._joined[shard] = True
+        self._watch(shard)
+
+    def _watch(self, shard: int) -> None:
+        """Hold a Watch open on ``shard``: if this process dies, the stream's end tells the aggregator at once.
+
+        Never read: the call stays open until ``close`` cancels it (after the
+        Leave, so the aggregator does not take it for a loss) or the process ends.
+        """
+        watching = self._watches[shard]
+        if watching is not None and not watching.done():
+            return
+        request = serde.watch_request(self.job_id, self.rank, self.incarnation)
+        call = self._stubs[shard].Watch(request, metadata=self._metadata)
+        address = self.addresses[shard]
+        call.add_done_callback(lambda done: _watch_ended(address, done))
+        self._watches[shard] = call
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
@@ -178,6 +207,10 @@ class WorkerClient:
                 except grpc.RpcError as error:
                     log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
                 self._joined[shard] = False
+        for shard, watching in enumerate(self._watches):
+            if watching is not None:
+                watching.cancel()
+                self._watches[shard] = None
         for channel in self._channels:
             channel.close()
 
@@ -373,3 +406,15 @@ class WorkerClient:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)
         self._sender.submit(pending)
         return pending.result
+
+
+def _watch_ended(address: str, call: Any) -> None:
+    """A Watch that ended other than by ``close``: the aggregator went away, or it cannot watch this rank."""
+    code = call.code()
+    if code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+        log.warning(
+            "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
+            address,
+            code.name if code is not None else "?",
+            call.details(),
+        )

@@ -23,6 +23,7 @@ from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, ke
 from gradq.server.auth import TokenAuthInterceptor, TokenTable
 from gradq.server.budget import return_free_memory
 from gradq.server.limits import ServiceLimits
+from gradq.server.liveness import Liveness
 from gradq.server.metrics import RoundMetrics
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
@@ -47,6 +48,16 @@ _ANSWER_GRACE_S = 2.0
 # Calls gRPC admits beyond the waiting PushPulls, so Join, Leave, health probes and
 # pushes that do not wait always get in, however many calls are parked.
 _RESERVED_CALLS = 64
+# HTTP/2 pings on every connection: a host that vanishes from the network without
+# closing its connections (power loss, a cut cable) has its calls, and so its Watch,
+# ended within keepalive time + timeout, and is lost. A process that dies is found
+# at once (its kernel closes its connections); one stopped for less than this is not lost.
+KEEPALIVE_S = 10.0
+_KEEPALIVE = (
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 # How often the sweeper closes rounds past their deadline that nobody waits for and expires idle jobs.
 _SWEEP_PERIOD_S = 0.25
 # Return freed heap to the OS once the budget's use has fallen by this much since the last time.
@@ -134,7 +145,7 @@ class AggregatorServer:
         waiting = WaitingCalls(
             self.limits.max_waiting_per_job, self.limits.max_waiting_per_peer, self.limits.max_waiting_calls
         )
-        self.servicer = AggregatorServicer(self.table, waiting)
+        self.servicer = AggregatorServicer(self.table, waiting, Liveness(self.table, self.limits))
         self.health = health.aio.HealthServicer()
         # grpc.aio serves every call on one event loop, run by its own thread so this
         # class keeps a blocking API; round work goes to the loop's default executor.
@@ -158,10 +169,10 @@ class AggregatorServer:
         interceptors = [TokenAuthInterceptor(self.options.tokens)] if self.options.tokens else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=channel_options(self.options.max_message_bytes),
+            options=[*channel_options(self.options.max_message_bytes), *_KEEPALIVE],
             # Past this gRPC answers RESOURCE_EXHAUSTED itself: a flood of calls that never
-            # reach a handler (stalled or slow) is bounded too.
-            maximum_concurrent_rpcs=self.limits.max_waiting_calls + _RESERVED_CALLS,
+            # reach a handler (stalled or slow) is bounded too. Watch streams have their own share.
+            maximum_concurrent_rpcs=self.limits.max_waiting_calls + self.limits.max_watches + _RESERVED_CALLS,
         )
         add_aggregator_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -159,6 +159,14 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "PushPull calls waiting at once in all (each holds no thread, ~25 KB); past it, RESOURCE_EXHAUSTED",
     ),
     (
+        "--max-watches",
+        "GRADQ_MAX_WATCHES",
+        int,
+        _LIMITS.max_watches,
+        "Watch streams open at once (one per joined rank, no thread each): past it a rank's loss is "
+        "found at the round deadline",
+    ),
+    (
         "--max-message-bytes",
         "GRADQ_MAX_MESSAGE_BYTES",
         int,
@@ -315,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_waiting_per_job=args.max_waiting_per_job,
             max_waiting_per_peer=args.max_waiting_per_peer,
             max_waiting_calls=args.max_waiting_calls,
+            max_watches=args.max_watches,
         )
         server = AggregatorServer(policy, options, limits)
     except (ValueError, OSError) as error:

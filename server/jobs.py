@@ -52,6 +52,9 @@ class Job:
     joined: set[int] = field(default_factory=set)
     # Member -> how many ranks it stands for (a host's ranks under two-level aggregation; 1 by default).
     ranks: dict[int, int] = field(default_factory=dict)
+    # Member -> why it is considered lost (its Watch stream ended without a Leave); a Join clears it.
+    lost: dict[int, str] = field(default_factory=dict)
+    watches: int = 0  # Watch streams open on this run
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
     rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
     open: set[Round] = field(default_factory=set)  # rounds of ``rounds`` still in flight
@@ -164,6 +167,7 @@ class JobTable:
             rejoined = rank in job.joined
             job.joined.add(rank)
             job.ranks[rank] = ranks
+            job.lost.pop(rank, None)  # back: its process (or connection) lives again
             job.last_active = now
             joined = len(job.joined)
         log.info(

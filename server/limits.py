@@ -49,6 +49,9 @@ class ServiceLimits:
         max_waiting_calls: PushPull calls waiting at once in all. A waiting call
             holds no thread, only its coroutine and gRPC's call state (about
             25 KB with a small round of its own, measured), so this bounds memory.
+        max_watches: Watch streams open at once in all (one per joined rank:
+            how the aggregator learns in a moment that a rank's process is gone).
+            A stream is a parked coroutine and an HTTP/2 stream, like a waiting call.
     """
 
     max_steps_ahead: int = 4
@@ -62,6 +65,7 @@ class ServiceLimits:
     max_waiting_per_job: int = 1024
     max_waiting_per_peer: int = 1024
     max_waiting_calls: int = 4096
+    max_watches: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
@@ -80,6 +84,7 @@ class ServiceLimits:
             "max_waiting_per_job",
             "max_waiting_per_peer",
             "max_waiting_calls",
+            "max_watches",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; expected >= 1")

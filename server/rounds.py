@@ -99,6 +99,10 @@ class RoundTable:
         with self.jobs.lock:
             return job.world_size, len(job.joined)
 
+    def now(self) -> float:
+        """The table's clock (monotonic seconds; injected in tests)."""
+        return self._clock()
+
     def leave(self, job_id: str, rank: int, incarnation: str = "") -> None:
         """Deregister ``rank``; rounds still waiting for it close now instead of at their deadline.
 
@@ -111,12 +115,16 @@ class RoundTable:
             self._job_finished(job_id)  # its last rank left: the job is done
         if job is None or retired:
             return
+        self.close_rounds_lacking(job, rank, f"rank {rank} left the job", "rank_left")
+
+    def close_rounds_lacking(self, job: Job, rank: int, reason: str, code: str) -> None:
+        """Close now, partial over a quorum or failed, every open round of ``job`` still waiting for ``rank``."""
         with self.jobs.lock:
             waiting = list(job.open)
         for rnd in waiting:
             with rnd.lock:
                 if not rnd.done.is_set() and rank not in rnd.contributors:
-                    self._closer.close_early(job, rnd, f"rank {rank} left the job", "rank_left")
+                    self._closer.close_early(job, rnd, reason, code)
 
     def _retire(self, retired: list[Retired]) -> None:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
@@ -206,6 +214,12 @@ class RoundTable:
             if rnd is not None and self._superseded_failure(rnd):
                 del job.rounds[(step, bucket)]
                 rnd = None
+            if job.lost and not self.policy.partial_quorum and (rnd is None or not rnd.done.is_set()):
+                lost = min(job.lost)
+                raise RoundAbortedError(
+                    f"round (job={job_id!r}, step={step}, bucket={bucket}) cannot complete: rank {lost} was lost "
+                    f"({job.lost[lost]}); restart the job (a new incarnation) or rejoin that rank"
+                )
             if rnd is None:
                 rnd = self._open_round(job, step, bucket, tensor)
             elif tensor.numel != rnd.pushed.numel:

@@ -106,6 +106,20 @@ def leave_from_bytes(data: bytes) -> pb.LeaveRequest:
     return _parse(data, pb.LeaveRequest)
 
 
+def watch_from_bytes(data: bytes) -> pb.WatchRequest:
+    """Parse a serialized WatchRequest.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a WatchRequest.
+    """
+    return _parse(data, pb.WatchRequest)
+
+
+def watch_event_to_bytes(joined: int) -> bytes:
+    """The Watch stream's first message: the watch is in place."""
+    return pb.WatchEvent(joined=joined).SerializeToString()
+
+
 def _parse(data: bytes, message: type[M]) -> M:
     try:
         return message.FromString(data)

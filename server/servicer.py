@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -24,6 +24,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
 from gradq.server.auth import check_scope
 from gradq.server.errors import ResourceExhaustedError, RoundError
+from gradq.server.liveness import Liveness
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.waiting import WaitingCalls, peer_host
 
@@ -81,11 +82,13 @@ class AggregatorServicer:
     Args:
         table: the round logic.
         waiting: caps on PushPull calls waiting for their rounds.
+        liveness: the Watch streams, whose unannounced end loses a rank.
     """
 
-    def __init__(self, table: RoundTable, waiting: WaitingCalls) -> None:
+    def __init__(self, table: RoundTable, waiting: WaitingCalls, liveness: Liveness) -> None:
         self.table = table
         self.waiting = waiting
+        self.liveness = liveness
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
 
@@ -167,6 +170,18 @@ class AggregatorServicer:
             return await _call(context, self.table.answer, ticket)
         return await _in_pool(context, self.table.answer, ticket)  # closes the round over the ranks it has
 
+    async def Watch(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # noqa: N802
+        """Stay open while the rank lives: a parked coroutine, no thread; its end without a Leave loses the rank."""
+        request = await _call(context, serde.watch_from_bytes, raw.take())
+        await _call(context, check_scope, request.job_id, request.rank)
+        watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
+        try:
+            yield serde.watch_event_to_bytes(len(watch.job.joined))
+            await asyncio.Event().wait()  # until gRPC cancels the call: the client went, or the server stops
+        finally:
+            # Not awaited: the call is being cancelled. Closing rounds takes their locks, so off the loop.
+            asyncio.get_running_loop().run_in_executor(None, self.liveness.close, watch)
+
     async def Leave(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.leave_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
@@ -185,12 +200,16 @@ def _as_bytes(response: bytes) -> bytes:
 
 def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMethodHandler]:
     """Method name -> handler for every RPC of the Aggregator service; each takes and returns raw bytes."""
-    return {
+    handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=RawRequest, response_serializer=_as_bytes
         )
         for name in ("Join", "PushPull", "Leave")
     }
+    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Watch, request_deserializer=RawRequest, response_serializer=_as_bytes
+    )
+    return handlers
 
 
 def add_aggregator_to_server(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:

@@ -330,6 +330,7 @@ class GradqHookState:
             chunk_elements=self.chunk_elements,
             max_in_flight=self.max_in_flight,
             incarnation=self.incarnation,
+            reconnect_timeout_s=self.connect_timeout_s,
         )
         failure: AggregationError | None = None
         try:

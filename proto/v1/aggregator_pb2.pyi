@@ -102,6 +102,22 @@ class PushPullResponse(_message.Message):
     skipped: bool
     def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
+class WatchRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("joined",)
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    joined: int
+    def __init__(self, joined: _Optional[int] = ...) -> None: ...
+
 class LeaveRequest(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

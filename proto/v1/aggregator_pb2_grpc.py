@@ -44,6 +44,11 @@ class AggregatorStub:
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/gradq.v1.Aggregator/Watch',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchEvent.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/gradq.v1.Aggregator/Leave',
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveRequest.SerializeToString,
@@ -69,6 +74,15 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Held open by every joined rank until it leaves. Its end without a Leave
+        (the process died, the host went away) tells the aggregator at once that
+        the rank is lost: the rounds waiting on it fail, naming it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Deregister a rank; the job is forgotten when its last rank leaves.
         """
@@ -88,6 +102,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.PushPull,
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchEvent.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -149,6 +168,33 @@ class Aggregator:
             '/gradq.v1.Aggregator/PushPull',
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradq.v1.Aggregator/Watch',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -353,3 +354,20 @@ def test_a_member_must_always_stand_for_the_same_ranks(start: Start) -> None:
             WorkerClient([address], "weights", 1, 2, ranks=5000).join()
     with pytest.raises(ValueError, match="ranks=0 is invalid; expected an integer >= 1"):
         WorkerClient([address], "weights", 0, 2, ranks=0)
+
+
+def test_an_aggregator_gone_for_good_is_reported_unreachable_long_before_the_rpc_deadline(start: Start) -> None:
+    server = start()
+    address = f"127.0.0.1:{server.port}"
+    client = WorkerClient(address, "gone", 0, 1, timeout_s=120.0, reconnect_timeout_s=2.0)
+    client.join()
+    client.push_pull(0, 0, np.ones(4, np.float32))
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED") as caught:
+        client.push_pull(1, 0, np.ones(4, np.float32))
+    waited = time.monotonic() - started
+    assert waited < 2.0 + 1.0, waited  # the rejoin's patience plus the first backoff, not the 120 s deadline
+    assert caught.value.address == address
+    assert re.search(r"unreachable: tried for \d+\.\d s \(2 attempts", caught.value.details), caught.value.details
+    client.close()

@@ -16,7 +16,9 @@ from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, Scheme, decode, encode
-from gradq.server.app import SERVICE_NAME, AggregatorServer
+from gradq.server.app import SERVICE_NAME, AggregatorServer, ServerOptions
+from gradq.server.limits import ServiceLimits
+from gradq.server.liveness import Liveness
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import AggregatorServicer, aggregator_handlers
@@ -239,5 +241,41 @@ def test_decoded_push_matches_what_client_encoded() -> None:
 
 def test_every_rpc_of_the_proto_has_a_handler() -> None:
     table = RoundTable(RoundPolicy())
-    handlers = aggregator_handlers(AggregatorServicer(table, WaitingCalls(1, 1, 1)))
+    handlers = aggregator_handlers(AggregatorServicer(table, WaitingCalls(1, 1, 1), Liveness(table, ServiceLimits())))
     assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Aggregator"].methods_by_name)
+
+
+def test_watch_streams_are_refused_without_a_join_and_past_their_caps() -> None:
+    limits = ServiceLimits(max_watches=2, max_world_size=4)
+    server = AggregatorServer(RoundPolicy(round_timeout_s=5.0), ServerOptions("127.0.0.1:0", grace_s=0.5), limits)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.AggregatorStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Watch(pb.WatchRequest(job_id="w", rank=0), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has no joined ranks; call Join first" in (refused.value.details() or "")
+        stub.Join(pb.JoinRequest(job_id="w", rank=0, world_size=2), timeout=5)
+        held = [stub.Watch(pb.WatchRequest(job_id="w", rank=0)) for _ in range(2)]
+        assert [next(stream).joined for stream in held] == [1, 1]
+        with pytest.raises(grpc.RpcError) as full:
+            next(stub.Watch(pb.WatchRequest(job_id="w", rank=0), timeout=5))
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 Watch streams are open, this aggregator's limit (--max-watches)" in (full.value.details() or "")
+        for stream in held:
+            stream.cancel()
+        # A watch that ends while its rank is still joined loses it: the next round fails at once.
+        stub.Join(pb.JoinRequest(job_id="w", rank=1, world_size=2), timeout=5)
+        deadline = time.monotonic() + 5
+        while not any(job.lost for job in server.table.jobs.all()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tensor = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig()))
+        request = pb.PushPullRequest(job_id="w", step=0, bucket=0, rank=1, tensor=tensor)
+        with pytest.raises(grpc.RpcError) as lost:
+            stub.PushPull(request, timeout=5)
+        assert lost.value.code() == grpc.StatusCode.ABORTED
+        assert "rank 0 was lost" in (lost.value.details() or "")
+    finally:
+        channel.close()
+        server.stop()

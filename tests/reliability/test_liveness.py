@@ -1,0 +1,89 @@
+"""A lost rank is found in seconds, not at the round deadline: real worker processes, a real `gradq serve`."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from fault_workers import Outcomes, gradient, start_workers
+
+from gradq.client import AggregationError, WorkerClient
+from gradq.qcore import QuantConfig, Scheme
+from gradq.server.process import free_port, spawn_aggregator
+
+ROUND_TIMEOUT_S = 30.0  # the default: failing fast must not come from the deadline
+
+Event = tuple[int, int, bool, str, float]
+
+
+@pytest.fixture
+def address() -> Iterator[str]:
+    port = free_port()
+    process: subprocess.Popen[bytes] = spawn_aggregator(
+        "--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING", port=port
+    )[0]
+    yield f"127.0.0.1:{port}"
+    process.kill()
+    process.wait()
+
+
+def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
+    found: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    while len(found) < count:
+        try:
+            found.append(events.get(max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
+    return found
+
+
+def test_a_killed_rank_is_named_to_the_others_within_seconds(address: str) -> None:
+    workers, events = start_workers(address, "killed", world=3, steps=6, hang={2: 3})
+    try:
+        before = collect(events, 3 * 3 + 1, timeout_s=60)  # steps 0-2 for everyone, then rank 2 stops pushing
+        assert all(ok for _, _, ok, _, _ in before), before
+        time.sleep(0.5)  # ranks 0 and 1 wait in step 3's round
+        assert workers[2].pid is not None
+        killed_at = time.monotonic()
+        os.kill(workers[2].pid, signal.SIGKILL)
+        survivors = collect(events, 2, timeout_s=ROUND_TIMEOUT_S)
+        noticed = time.monotonic() - killed_at
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert noticed < 5.0, noticed
+    for rank, step, ok, detail, _ in survivors:
+        assert rank in (0, 1) and step == 3 and not ok
+        assert "ABORTED" in detail and "rank 2 was lost" in detail and "without a Leave" in detail, detail
+    # Later rounds of that run fail at once too, rather than each waiting for its deadline.
+    config = QuantConfig(scheme=Scheme.FLOAT32)
+    with WorkerClient(address, "killed", 0, 3, config, timeout_s=60) as survivor:
+        started = time.monotonic()
+        with pytest.raises(AggregationError, match=r"ABORTED: .*cannot complete: rank 2 was lost"):
+            survivor.push_pull(4, 0, gradient(0, 4))
+        assert time.monotonic() - started < 2.0
+
+
+def test_a_rank_stopped_for_a_second_is_not_lost(address: str) -> None:
+    workers, events = start_workers(address, "paused", world=3, steps=8, pause_s=0.1)
+    try:
+        first = collect(events, 3 * 2, timeout_s=60)
+        assert workers[2].pid is not None
+        os.kill(workers[2].pid, signal.SIGSTOP)  # a long GC pause, say
+        time.sleep(1.0)
+        os.kill(workers[2].pid, signal.SIGCONT)
+        rest = collect(events, 3 * 8 - len(first), timeout_s=60)
+    finally:
+        for worker in workers:
+            worker.kill()
+    outcomes = first + rest
+    assert all(ok for _, _, ok, _, _ in outcomes), [event for event in outcomes if not event[2]]
+    assert sorted((rank, step) for rank, step, *_ in outcomes) == [(r, s) for r in range(3) for s in range(8)]
+    assert np.isfinite([seconds for *_, seconds in outcomes]).all()
