@@ -5,6 +5,7 @@ Run from the repository root with the virtualenv's interpreter::
     python bench/convergence.py                                   # both tasks, SGD and AdamW, the main rows
     python bench/convergence.py --tasks transformer --optimizers adamw --methods fp32 gradq2ef gradq2ef-sef
     python bench/convergence.py --step-times bench/results/network-<time>.json   # adds time to accuracy
+    python bench/convergence.py --hosts 2x2 --tasks transformer --optimizers adamw --methods gradq4ef gradq4ef-2l
 
 World 2 on gloo over loopback: two spawned ranks train every (task, optimizer,
 method) in turn from the same initial weights (fixed seeds) on the same
@@ -22,6 +23,11 @@ by default): time to accuracy. Steps do not depend on the machine's load; the
 step times do, so take them from one network run. The report (markdown, JSON,
 PNG of the curves when matplotlib is installed) goes to
 ``bench/results/convergence-<time>.*``. This is a benchmark, not a test.
+
+``--hosts HxL`` runs H x L ranks instead, rank r on emulated host r // L (all on
+loopback): the two-level rows (``-2l``) pass ``host=...``, so each host's ranks
+reduce inside it and push 1/L each (issue 23); every other gradq row runs
+``host_grouping="flat"``, every rank its own member at the aggregator.
 """
 
 import os
@@ -41,6 +47,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import convergence_report  # noqa: E402
+import netns  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -73,6 +80,7 @@ class Method:
     channel_size: int = 0  # 0: QuantConfig's default for the bits (128 at 1 and 2 bits, else 512)
     rounding: str = "nearest"
     server_flags: tuple[str, ...] = ()  # `gradq serve` flags of the aggregator this row needs
+    two_level: bool = False  # reduce inside each host of --hosts first (host=...); otherwise host_grouping="flat"
 
 
 MAIN_METHODS = (
@@ -205,6 +213,14 @@ CANDIDATE_METHODS = (
         channel_size=DEFAULT_CHANNEL_SIZE,
     ),
     Method(
+        "gradq4ef-2l",
+        "gradq 4-bit + EF, two-level",
+        "gradq4ef-2-twolevel",
+        bits=4,
+        error_feedback=True,
+        two_level=True,
+    ),
+    Method(
         "gradq4ef-sef",
         "gradq 4-bit + EF, server EF",
         "gradq4ef-2",
@@ -228,6 +244,8 @@ class JobSpec:
     steps: int
     eval_every: int
     aggregators: dict[str, str]  # " ".join(server_flags) -> address
+    world_size: int
+    ranks_per_host: int  # L of --hosts HxL; 1: every rank its own host
 
 
 def _optimizer(key: str, model: torch.nn.Module, task: Task) -> torch.optim.Optimizer:
@@ -237,7 +255,9 @@ def _optimizer(key: str, model: torch.nn.Module, task: Task) -> torch.optim.Opti
     return torch.optim.AdamW(model.parameters(), lr=rate, weight_decay=WEIGHT_DECAY)
 
 
-def _attach(model: DistributedDataParallel, method: Method, spec: JobSpec, job_id: str) -> GradqHookState | None:
+def _attach(
+    model: DistributedDataParallel, method: Method, spec: JobSpec, job_id: str, rank: int
+) -> GradqHookState | None:
     if method.peer is not None:
         peer = PEER_HOOKS[method.peer]
         model.register_comm_hook(peer.make_state(POWERSGD_START_STEP), peer.hook)
@@ -246,7 +266,14 @@ def _attach(model: DistributedDataParallel, method: Method, spec: JobSpec, job_i
             Scheme.parse(method.scheme), method.bits, method.channel_size, Rounding.parse(method.rounding), seed=SEED
         )
         address = spec.aggregators[" ".join(method.server_flags)]
-        state = GradqHookState(address, config, error_feedback=method.error_feedback, job_id=job_id)
+        state = GradqHookState(
+            address,
+            config,
+            error_feedback=method.error_feedback,
+            job_id=job_id,
+            host_grouping="auto" if method.two_level else "flat",
+            host=f"host{rank // spec.ranks_per_host}" if method.two_level else None,
+        )
         model.register_comm_hook(state, gradq_hook)
         return state
     return None
@@ -263,7 +290,8 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
     torch.manual_seed(SEED)
     single_bucket = method.peer is not None and PEER_HOOKS[method.peer].single_bucket
     model = DistributedDataParallel(task.build_model(), bucket_cap_mb=PEER_SINGLE_BUCKET_MB if single_bucket else None)
-    state = _attach(model, method, spec, f"convergence-{task.key}-{optimizer_key}-{method.key}-{spec.init_method}")
+    job_id = f"convergence-{task.key}-{optimizer_key}-{method.key}-{spec.init_method}"
+    state = _attach(model, method, spec, job_id, rank)
     optimizer = _optimizer(optimizer_key, model, task)
     held_out = task.held_out(SEED)
     curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": []}
@@ -294,7 +322,7 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
 
 def _run_rank(rank: int, spec: JobSpec, queue: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size)
     try:
         for task_key in spec.tasks:
             for optimizer_key in spec.optimizers:
@@ -310,12 +338,16 @@ def _run_rank(rank: int, spec: JobSpec, queue: Any) -> None:
 
 
 def run(spec_args: argparse.Namespace) -> dict[str, Any]:
-    """Start the aggregators and both ranks; returns curves[task][optimizer][method]."""
+    """Start the aggregators and the ranks; returns curves[task][optimizer][method]."""
     methods = [METHOD_BY_KEY[key] for key in spec_args.methods]
     flag_sets = sorted({method.server_flags for method in methods if method.bits is not None})
+    hosts, ranks_per_host = spec_args.hosts
+    world = hosts * ranks_per_host
+    # Two-level jobs join with one member per host: the aggregator then cannot pin the world size.
+    pinned = world if ranks_per_host == 1 else 0
     curves: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        aggregators = {" ".join(flags): stack.enter_context(local_aggregator(2, *flags)) for flags in flag_sets}
+        aggregators = {" ".join(flags): stack.enter_context(local_aggregator(pinned, *flags)) for flags in flag_sets}
         spec = JobSpec(
             f"tcp://127.0.0.1:{free_port()}",
             tuple(spec_args.tasks),
@@ -324,9 +356,11 @@ def run(spec_args: argparse.Namespace) -> dict[str, Any]:
             spec_args.steps,
             spec_args.eval_every,
             aggregators,
+            world,
+            ranks_per_host,
         )
         queue = mp.get_context("spawn").SimpleQueue()
-        ranks = mp.spawn(_run_rank, args=(spec, queue), nprocs=2, join=False)
+        ranks = mp.spawn(_run_rank, args=(spec, queue), nprocs=world, join=False)
         finished = False
         while not finished:
             finished = ranks.join(timeout=1.0)  # raises, with the rank's traceback, when a rank fails
@@ -352,13 +386,37 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-times", type=Path, help="a bench/network.py results .json: adds time to accuracy")
     parser.add_argument("--world", type=int, default=4, help="the network scenario's world size for --step-times")
     parser.add_argument("--rate", default="1gbit", help="the network scenario's link rate for --step-times")
+    parser.add_argument(
+        "--hosts",
+        type=_hosts,
+        default=(2, 1),
+        help="HOSTSxRANKS: world HOSTS x RANKS, rank r on host r // RANKS (the -2l rows reduce inside hosts)",
+    )
     parser.add_argument("--from-json", type=Path, help="report on a previous run's .json instead of training")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the report goes")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser.error(f"--steps={args.steps} --eval-every={args.eval_every}: expected both >= 1")
     args.methods = list(dict.fromkeys(["fp32", *args.methods]))
+    two_level = [key for key in args.methods if METHOD_BY_KEY[key].two_level]
+    if two_level and args.hosts[1] < 2:
+        parser.error(f"--methods {' '.join(two_level)} reduce inside hosts; expected --hosts with 2+ ranks per host")
     return args
+
+
+def _hosts(text: str) -> tuple[int, int]:
+    try:
+        return netns.parse_hosts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _setup(args: argparse.Namespace) -> str:
+    hosts, ranks_per_host = args.hosts
+    layout = f"World {hosts * ranks_per_host} on gloo over loopback"
+    if ranks_per_host > 1:
+        layout += f", as {hosts} hosts x {ranks_per_host} ranks (gradq rows without 'two-level' run flat)"
+    return f"{layout}; {args.steps} steps, held-out loss every {args.eval_every}."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         network_keys = {key: METHOD_BY_KEY[key].network_key for key in METHOD_BY_KEY}
         step_times = convergence_report.network_step_ms(args.step_times, args.world, args.rate, network_keys)
     report = convergence_report.format_report(curves, labels, {k: t.label for k, t in TASKS.items()}, step_times)
+    if args.from_json is None:
+        report = f"{_setup(args)}\n\n{report}"
     print(report)
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"convergence-{datetime.now():%Y%m%d-%H%M%S}"

@@ -14,10 +14,11 @@ sums over many timed steps are what the reports print.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuTimes", "parse_cpu_line", "read_cpu_times", "CORES"]
+__all__ = ["CpuTimes", "parse_cpu_line", "read_cpu_times", "read_process_cpu_s", "CORES"]
 
 CORES = os.cpu_count() or 1
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
@@ -68,3 +69,16 @@ def read_cpu_times() -> CpuTimes:
             return parse_cpu_line(stat.readline())
     except OSError:
         return CpuTimes()
+
+
+def read_process_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` (all their threads) have used; one that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / _TICKS_PER_SECOND

@@ -20,6 +20,8 @@ __all__ = [
     "Topology",
     "build_topology",
     "leftover_namespaces",
+    "namespace_pids",
+    "parse_hosts",
     "parse_rate",
     "read_counters",
     "remove_namespaces",
@@ -68,6 +70,18 @@ def parse_rate(rate: str) -> float:
     if match is None:
         raise ValueError(f"rate={rate!r} is invalid; expected a tc rate such as '1gbit' or '100mbit'")
     return float(match.group(1)) * _RATE_SCALE[match.group(2)]
+
+
+def parse_hosts(text: str) -> tuple[int, int]:
+    """(hosts, ranks per host) of a topology such as ``2x4``.
+
+    Raises:
+        ValueError: ``text`` is not ``<hosts>x<ranks>`` with both >= 1.
+    """
+    hosts, _, ranks = text.strip().lower().partition("x")
+    if not (hosts.isdigit() and ranks.isdigit() and int(hosts) >= 1 and int(ranks) >= 1):
+        raise ValueError(f"hosts={text!r} is invalid; expected HOSTSxRANKS such as '2x2', both >= 1")
+    return int(hosts), int(ranks)
 
 
 def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -166,6 +180,11 @@ def leftover_namespaces() -> list[str]:
     return sorted(name for name in names if _OURS.match(name))
 
 
+def namespace_pids(name: str) -> list[int]:
+    """Processes running in namespace ``name`` (none when it does not exist)."""
+    return [int(pid) for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split()]
+
+
 def remove_namespaces(names: Sequence[str]) -> list[str]:
     """Kill the processes inside each of ``names`` (ours only) and delete it; returns those deleted."""
     existing = set(leftover_namespaces())
@@ -173,8 +192,8 @@ def remove_namespaces(names: Sequence[str]) -> list[str]:
     for name in names:
         if not _OURS.match(name) or name not in existing:
             continue
-        for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
-            _run(["kill", "-KILL", pid], check=False)
+        for pid in namespace_pids(name):
+            _run(["kill", "-KILL", str(pid)], check=False)
         _run(["ip", "netns", "del", name], check=False)
         removed.append(name)
     return removed

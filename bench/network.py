@@ -5,6 +5,7 @@ Run as root from the repository root with the virtualenv's interpreter::
     sudo .venv/bin/python bench/network.py                  # quick preset (5.8M MLP), < 15 minutes
     sudo .venv/bin/python bench/network.py --preset full    # adds the ~25M-parameter MLP
     sudo .venv/bin/python bench/network.py --worlds 4 --rates 1gbit --methods compute-only gradq8-1 --steps 30
+    sudo .venv/bin/python bench/network.py --hosts 2x2 --rates 1gbit   # hosts of 2 ranks: flat vs two-level gradq
     sudo .venv/bin/python bench/network.py --cleanup        # remove namespaces a killed run left behind
 
 Every worker (rank) and every aggregator shard runs in its own network namespace
@@ -12,6 +13,14 @@ Every worker (rank) and every aggregator shard runs in its own network namespace
 pair shaped with tc's tbf in both directions (see netns.py). Traffic goes only
 to 10.77.0.0/24, which exists only inside those namespaces; they are deleted on
 exit, on SIGTERM/SIGINT/SIGHUP and by ``--cleanup``.
+
+With ``--hosts HxL`` (instead of ``--worlds``) each of H worker namespaces is a
+host of L ranks: they share its one shaped link and talk to each other over its
+loopback, unshaped (issue 23). Its default rows put gradq's flat path
+(host_grouping="flat") beside two-level aggregation (host=<namespace>) at the
+same grids, with DDP's allreduce, bf16 and PowerSGD rank 4; the report adds the
+bytes through each host's link, the aggregator shards' own CPU time and the
+two-level targets (network_hosts_report.py).
 
 One *scenario* is a (model, world size, link rates) triple. Its ranks start once
 (``ip netns exec gradq-wK python bench/network.py --rank-main ...``), along with
@@ -58,6 +67,7 @@ from types import FrameType
 from typing import Any
 
 import netns
+import network_hosts_report
 import network_report
 from network_rank import METHOD_BY_KEY, MODELS, RankSpec, rank_main
 from network_report import MethodResult, Row, Scenario
@@ -65,6 +75,18 @@ from network_report import MethodResult, Row, Scenario
 from gradq.client.chunks import SLOW_LINK_CHUNK_BYTES
 
 SHARD_METHODS = ("gradq8-1", "gradq8-2", "gradq8-4")  # the bottleneck scenario's rows
+HOST_METHODS = (  # --hosts's default rows: flat gradq beside two-level at each grid
+    "compute-only",
+    "allreduce",
+    "bf16",
+    "powersgd-r4",
+    "gradq8-2",
+    "gradq8-2-twolevel",
+    "gradq4ef-2",
+    "gradq4ef-2-twolevel",
+    "gradq2ef-2",
+    "gradq2ef-2-twolevel",
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"models": ["mlp-5.8m"], "warmup": 3, "steps": 8},
     "full": {"models": ["mlp-5.8m", "mlp-25m"], "warmup": 3, "steps": 8},
@@ -127,7 +149,10 @@ class NamespaceProcesses:
         self.processes.clear()
 
 
-def _start_aggregators(runner: NamespaceProcesses, topology: netns.Topology, world_size: int) -> list[str]:
+def _start_aggregators(
+    runner: NamespaceProcesses, topology: netns.Topology, world_size: int
+) -> tuple[list[str], list[int]]:
+    """Start every shard (``world_size`` 0: each job's first Join decides); returns (addresses, their pids)."""
     addresses = []
     for shard, host in enumerate(topology.aggregators):
         port_file = runner.log_dir / f"aggregator{shard}.port"
@@ -138,7 +163,8 @@ def _start_aggregators(runner: NamespaceProcesses, topology: netns.Topology, wor
         addresses.append(f"{host.address}:{AGGREGATOR_PORT}")
     for shard in range(len(topology.aggregators)):
         _wait_for_file(runner, runner.log_dir / f"aggregator{shard}.port", f"aggregator{shard}", 120.0)
-    return addresses
+    pids = [pid for host in topology.aggregators for pid in netns.namespace_pids(host.namespace)]
+    return addresses, pids
 
 
 def _wait_for_file(runner: NamespaceProcesses, path: Path, name: str, timeout_s: float) -> None:
@@ -167,8 +193,11 @@ def _wait_for_ranks(runner: NamespaceProcesses) -> None:
 
 
 def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_dir: Path) -> list[Row]:
-    """Shape the links, start the aggregators (if needed) and the ranks, collect one Row per method."""
-    workers = topology.workers[: scenario.world_size]
+    """Shape the links, start the aggregators (if needed) and the ranks, collect one Row per method.
+
+    Rank r runs in worker namespace r // ranks_per_host: a host's ranks are consecutive, as under torchrun.
+    """
+    workers = topology.workers[: scenario.hosts]
     topology.shape(topology.workers, scenario.worker_rate)
     topology.shape(topology.aggregators, scenario.aggregator_rate)
     log_dir = work_dir / f"scenario{index}"
@@ -176,15 +205,20 @@ def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_
     runner = NamespaceProcesses(log_dir)
     try:
         needs_aggregators = any(METHOD_BY_KEY[key].bits is not None for key in scenario.methods)
-        aggregators = _start_aggregators(runner, topology, scenario.world_size) if needs_aggregators else []
-        for rank, host in enumerate(workers):
+        # Two-level jobs join with one member per host: the aggregator cannot pin the world size.
+        world = scenario.world_size if scenario.ranks_per_host == 1 else 0
+        aggregators, pids = _start_aggregators(runner, topology, world) if needs_aggregators else ([], [])
+        for rank in range(scenario.world_size):
+            host = workers[rank // scenario.ranks_per_host]
             spec = RankSpec(
                 rank=rank,
                 world_size=scenario.world_size,
+                host=rank // scenario.ranks_per_host,
                 rendezvous=f"{workers[0].address}:{GLOO_BASE_PORT + index}",
                 layers=MODELS[scenario.model],
                 methods=scenario.methods,
                 aggregators=tuple(aggregators),
+                aggregator_pids=tuple(pids),
                 warmup=scenario.warmup,
                 steps=scenario.steps,
                 job_prefix=f"net{index}-{os.getpid()}",
@@ -196,7 +230,7 @@ def run_scenario(topology: netns.Topology, scenario: Scenario, index: int, work_
         _wait_for_ranks(runner)
     finally:
         runner.stop_all()
-    per_rank = [_read_results(log_dir / f"rank{rank}.json") for rank in range(len(workers))]
+    per_rank = [_read_results(log_dir / f"rank{rank}.json") for rank in range(scenario.world_size)]
     return [
         network_report.make_row(scenario, METHOD_BY_KEY[key], [results[key] for results in per_rank])
         for key in scenario.methods
@@ -211,13 +245,18 @@ def _read_results(path: Path) -> dict[str, MethodResult]:
 
 
 def plan(args: argparse.Namespace) -> list[Scenario]:
-    """Every scenario of the run: each (model, world, rate) on all links, then the aggregator-bottleneck one."""
+    """Every scenario: each (model, world or hosts, rate) on all links, then (without --hosts) the bottleneck one."""
+    shapes = args.hosts or [(world, 1) for world in args.worlds]  # (hosts, ranks per host)
     scenarios = [
-        Scenario(model, world, rate, rate, tuple(args.methods), args.warmup, args.steps, args.chunk_elements)
+        Scenario(
+            model, hosts * ranks, rate, rate, tuple(args.methods), args.warmup, args.steps, args.chunk_elements, ranks
+        )
         for model in args.models
-        for world in args.worlds
+        for hosts, ranks in shapes
         for rate in args.rates
     ]
+    if args.hosts:
+        return scenarios
     shard_methods = tuple(key for key in SHARD_METHODS if key in args.methods)
     if SHARD_METHODS[0] in shard_methods and len(shard_methods) > 1 and args.bottleneck_rate:
         scenarios += [
@@ -244,7 +283,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     """Build the namespaces, run every scenario, always delete the namespaces."""
     scenarios = plan(args)
     shards = max((METHOD_BY_KEY[key].shards for key in args.methods), default=0)
-    topology = netns.build_topology(max(args.worlds), shards)
+    topology = netns.build_topology(max(scenario.hosts for scenario in scenarios), shards)
     atexit.register(topology.close)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_on_signal)
@@ -276,6 +315,13 @@ def _rate(text: str) -> str:
     return text.lower()
 
 
+def _hosts(text: str) -> tuple[int, int]:
+    try:
+        return netns.parse_hosts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _rate_or_none(text: str) -> str | None:
     return None if text.lower() == "none" else _rate(text)
 
@@ -289,7 +335,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="override the preset's models")
     parser.add_argument("--worlds", type=_positive, nargs="+", default=[2, 4], help="world sizes (ranks)")
     parser.add_argument("--rates", type=_rate, nargs="+", default=["1gbit", "100mbit"], help="link rates (tc)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHOD_BY_KEY), default=list(METHOD_BY_KEY))
+    parser.add_argument(
+        "--hosts",
+        type=_hosts,
+        nargs="+",
+        help="HOSTSxRANKS topologies (e.g. 2x2 2x4), replacing --worlds: each host's ranks share one namespace "
+        "and one shaped link; no bottleneck scenario",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHOD_BY_KEY),
+        help="rows (default: every row; with --hosts, flat and two-level gradq beside DDP's allreduce, bf16, PowerSGD)",
+    )
     parser.add_argument("--warmup", type=_positive, help="untimed steps per method (default: the preset's)")
     parser.add_argument("--steps", type=_positive, help="timed steps per method (default: the preset's)")
     parser.add_argument(
@@ -312,6 +370,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rank-main", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
+    if args.methods is None:
+        args.methods = list(HOST_METHODS if args.hosts else METHOD_BY_KEY)
     for name in ("models", "warmup", "steps"):
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
@@ -346,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as error:  # a command, an aggregator or a rank failed; the namespaces are gone
         print(f"bench/network.py: {error}", file=sys.stderr)
         return 1
-    report = network_report.render(rows, _setup(args, load_before))
+    report = network_report.render(rows, _setup(args, load_before), network_hosts_report.host_sections(rows))
     print(report)
     for path in _save(report, rows, args):
         print(f"wrote {path}", file=sys.stderr)
@@ -367,10 +427,17 @@ def _setup(args: argparse.Namespace, load_before: float) -> str:
         f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; batch 32, "
         f"SGD, gloo, 1 thread per rank; gradq rounds of at most {rounds}; "
         f"{os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
-        "every worker and shard in its own network namespace, links shaped with tc tbf in both directions. "
+        f"{_namespaces(args)}, links shaped with tc tbf in both directions. "
         f"1-minute load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it "
         f"(other work on the machine skews the times). gradq at {git.stdout.strip() or 'unknown revision'}."
     )
+
+
+def _namespaces(args: argparse.Namespace) -> str:
+    if not args.hosts:
+        return "every worker and shard in its own network namespace"
+    shapes = ", ".join(f"{hosts} hosts x {ranks} ranks" for hosts, ranks in args.hosts)
+    return f"{shapes}: the ranks of a host share its network namespace, every shard in its own"
 
 
 def _save(report: str, rows: Sequence[Row], args: argparse.Namespace) -> Iterator[Path]:

@@ -20,7 +20,7 @@ from typing import Any
 import netns
 import torch
 import torch.distributed as dist
-from cpu_busy import read_cpu_times
+from cpu_busy import read_cpu_times, read_process_cpu_s
 from network_report import Method, MethodResult, gradq_grid
 from peer_hooks import PEER_HOOKS, PEER_SINGLE_BUCKET_MB
 from seed_hooks import Hook, OrderedBucketsState, no_communication_hook, ordered_buckets_hook, seed_pertensor_hook
@@ -62,6 +62,10 @@ METHODS = (
     Method("gradq4ef-2", "gradq 4-bit + EF, 2 shards", bits=4, error_feedback=True, shards=2),
     Method("gradq1ef-2", "gradq 1-bit + EF, 2 shards", bits=1, error_feedback=True, shards=2),
     Method("gradq1sign-2", "gradq 1-bit sign + EF, 2 shards", 1, True, 2, "per_channel_sign"),
+    # Two-level rows: under --hosts HxL the ranks of a host reduce inside it and push 1/L each (host_groups).
+    Method("gradq8-2-twolevel", "gradq 8-bit, 2 shards, two-level", bits=8, shards=2, two_level=True),
+    Method("gradq4ef-2-twolevel", "gradq 4-bit + EF, 2 shards, two-level", 4, True, 2, two_level=True),
+    Method("gradq2ef-2-twolevel", "gradq 2-bit + EF, 2 shards, two-level", 2, True, 2, two_level=True),
     Method(
         "gradq1sign32-2",
         "gradq 1-bit sign + EF, 32-element channels, 2 shards",
@@ -135,10 +139,12 @@ class RankSpec:
 
     rank: int
     world_size: int
+    host: int  # index of the emulated host (namespace) this rank runs in
     rendezvous: str  # host:port of rank 0's TCPStore
     layers: tuple[int, ...]
     methods: tuple[str, ...]
     aggregators: tuple[str, ...]  # host:port of each shard
+    aggregator_pids: tuple[int, ...]  # the shards' processes, whose CPU time rank 0 reads
     warmup: int
     steps: int
     job_prefix: str  # gradq job ids are <prefix>-<method>
@@ -185,6 +191,9 @@ def _hook_for(method: Method, spec: RankSpec) -> tuple[Hook, Any, GradqHookState
             job_id=f"{spec.job_prefix}-{method.key}",
             connect_timeout_s=60.0,
             chunk_elements=chunk_elements,
+            # Other gradq rows stay flat even where a host holds several ranks: today's path, for comparison.
+            host_grouping="auto" if method.two_level else "flat",
+            host=f"w{spec.host}" if method.two_level else None,
         )
         return gradq_hook, state, state
     if method.key == "seed-pertensor":
@@ -213,7 +222,7 @@ def _train_step(
 def measure_method(
     spec: RankSpec, method: Method, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> MethodResult:
-    """Warm up, then time ``spec.steps`` steps of ``method`` and count this rank's wire bytes.
+    """Warm up, then time ``spec.steps`` steps of ``method`` and count this rank's host's wire bytes.
 
     Args:
         spec: the scenario as this rank sees it (steps, model, aggregators).
@@ -221,7 +230,8 @@ def measure_method(
         batches: this rank's synthetic batches, cycled through.
 
     Returns:
-        This rank's step times, bucket timings, wire bytes per step and bucket sizes.
+        This rank's step times, bucket timings, its host link's wire bytes per step (shared by the
+        host's ranks), bucket sizes, and the machine's and the aggregator shards' CPU time.
     """
     single_bucket = method.key in PEER_HOOKS and PEER_HOOKS[method.key].single_bucket
     model = DistributedDataParallel(
@@ -242,6 +252,7 @@ def measure_method(
         dist.barrier()
         tx_before, rx_before = netns.read_counters(netns.HOST_DEVICE)
         cpu_before = read_cpu_times()
+        aggregator_cpu_before = read_process_cpu_s(spec.aggregator_pids)
         step_s, window_s, tail_s = [], [], []
         for step in range(spec.steps):
             if timer is not None:
@@ -252,6 +263,7 @@ def measure_method(
                 window_s.append(backward_done - timer.first_entry)
                 tail_s.append(backward_done - timer.last_entry)
         cpu = read_cpu_times() - cpu_before
+        aggregator_cpu_s = read_process_cpu_s(spec.aggregator_pids) - aggregator_cpu_before
         dist.barrier()  # every peer has received what this rank sent: the counters are complete
         tx_after, rx_after = netns.read_counters(netns.HOST_DEVICE)
     finally:
@@ -268,6 +280,7 @@ def measure_method(
         numel=sum(parameter.numel() for parameter in model.parameters()),
         cpu_busy_s=cpu.busy_s,
         cpu_total_s=cpu.total_s,
+        aggregator_cpu_s=aggregator_cpu_s,
     )
 
 

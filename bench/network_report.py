@@ -12,9 +12,22 @@ import netns
 from cpu_busy import CORES
 
 from gradq.client.chunks import chunk_bounds, chunk_key, shard_for, slow_link_chunk_elements
+from gradq.client.ddp.host_groups import piece_bounds
 from gradq.qcore import QuantConfig, Scheme
 
-__all__ = ["Method", "MethodResult", "Scenario", "Row", "make_row", "render", "plot"]
+__all__ = [
+    "Method",
+    "MethodResult",
+    "Scenario",
+    "Row",
+    "find_row",
+    "format_optional",
+    "format_percent",
+    "make_row",
+    "plot",
+    "render",
+    "verdict",
+]
 
 FP32_BYTES = 4
 MEGA = 1e6
@@ -36,6 +49,7 @@ class Method:
     shards: int = 0  # gradq: aggregator shards used
     scheme: str = "per_channel_affine"  # gradq push scheme
     channel_size: int = 0  # gradq: elements per channel; 0: QuantConfig's default for the bits
+    two_level: bool = False  # gradq: reduce inside each host first (host=...); otherwise host_grouping="flat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,12 @@ class Scenario:
     warmup: int
     steps: int
     chunk_elements: int | None  # gradq's largest round (GradqHookState.chunk_elements); None: per grid, slow-link
+    ranks_per_host: int = 1  # L: ranks sharing one host's namespace and link (--hosts HxL)
+
+    @property
+    def hosts(self) -> int:
+        """Emulated hosts (worker namespaces) of the scenario."""
+        return self.world_size // self.ranks_per_host
 
     @property
     def aggregator_bottleneck(self) -> bool:
@@ -64,7 +84,13 @@ class Scenario:
 
     def describe(self) -> str:
         """One line for the progress log."""
-        return f"{self.model}, world {self.world_size}, {self.links()}: {len(self.methods)} methods"
+        return f"{self.model}, {self.size()}, {self.links()}: {len(self.methods)} methods"
+
+    def size(self) -> str:
+        """``world 4``, or ``2 hosts x 2 ranks`` when hosts hold several ranks."""
+        if self.ranks_per_host == 1:
+            return f"world {self.world_size}"
+        return f"{self.hosts} hosts x {self.ranks_per_host} ranks"
 
 
 @dataclass(slots=True)
@@ -75,12 +101,13 @@ class MethodResult:
     step_s: list[float]  # timed steps, in order
     window_s: list[float]  # per step: first bucket ready -> backward returned (hooked methods only)
     tail_s: list[float]  # per step: last bucket ready (compute done) -> backward returned
-    tx_per_step: float  # bytes this rank's device sent per timed step, headers included
+    tx_per_step: float  # bytes this rank's host device sent per timed step, headers included
     rx_per_step: float  # bytes it received
     bucket_numels: list[int]  # elements per DDP bucket, in index order (hooked methods only)
     numel: int  # model parameters
     cpu_busy_s: float = 0.0  # the machine's busy CPU time over the timed steps, all cores
     cpu_total_s: float = 0.0  # busy + idle time of all cores over the same interval
+    aggregator_cpu_s: float = 0.0  # CPU time of the aggregator shards' processes over the same interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +126,7 @@ class Row:
     numel: int
     cpu_ms: float  # the machine's CPU time per timed step (rank 0's reading), all cores together
     busy: float | None  # share of the cores' time that was busy over the timed steps
+    aggregator_cpu_ms: float  # the aggregator shards' CPU time per timed step (rank 0's reading)
 
     @property
     def cpu_floor_ms(self) -> float:
@@ -108,15 +136,15 @@ class Row:
     def link_ms(self) -> float | None:
         """Time the busiest shaped link needs for this row's bytes per step (None: nothing shaped).
 
-        A worker link carries what the worker sends and receives (full duplex: the
-        larger). A shard's link carries the busiest shard's share of every worker's bytes.
+        A worker (host) link carries what the host sends and receives (full duplex: the
+        larger). A shard's link carries the busiest shard's share of every host's bytes.
         """
         scenario, seconds = self.scenario, []
         per_worker = max(self.tx_per_step, self.rx_per_step)
         if scenario.worker_rate is not None:
             seconds.append(8 * per_worker / netns.parse_rate(scenario.worker_rate))
         if scenario.aggregator_rate is not None and self.largest_share is not None:
-            per_shard = scenario.world_size * per_worker * self.largest_share
+            per_shard = scenario.hosts * per_worker * self.largest_share
             seconds.append(8 * per_shard / netns.parse_rate(scenario.aggregator_rate))
         return 1e3 * max(seconds) if seconds else None
 
@@ -135,16 +163,23 @@ def gradq_grid(method: Method, chunk_elements: int | None) -> tuple[QuantConfig,
     return config, chunk_elements or slow_link_chunk_elements(config)
 
 
-def _largest_share(bucket_numels: Sequence[int], method: Method, chunk_elements: int | None) -> float | None:
-    # The client's own rules: buckets cut into chunk rounds, each round's key picks its shard.
+def _largest_share(
+    bucket_numels: Sequence[int], method: Method, chunk_elements: int | None, pieces: int
+) -> float | None:
+    # The client's own rules: buckets cut into pieces (two-level; round key b * pieces + p), pieces
+    # into chunk rounds, each round's key picks its shard.
     shards = method.shards
     if shards < 1 or not bucket_numels:
         return None
     config, rounds = gradq_grid(method, chunk_elements)
     loads = [0] * shards
     for bucket, numel in enumerate(bucket_numels):
-        for index, (begin, end) in enumerate(chunk_bounds(numel, rounds, config.channel_size, shards)):
-            loads[shard_for(chunk_key(bucket, index), shards)] += end - begin
+        for piece, (piece_begin, piece_end) in enumerate(piece_bounds(numel, config.channel_size, pieces)):
+            key = bucket * pieces + piece
+            for index, (begin, end) in enumerate(
+                chunk_bounds(piece_end - piece_begin, rounds, config.channel_size, shards)
+            ):
+                loads[shard_for(chunk_key(key, index), shards)] += end - begin
     return max(loads) / sum(loads)
 
 
@@ -163,25 +198,31 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         overlap=_median([(window - after) / window for window, after in steps if window > 0]),
         tx_per_step=statistics.fmean(result.tx_per_step for result in per_rank),
         rx_per_step=statistics.fmean(result.rx_per_step for result in per_rank),
-        largest_share=_largest_share(first.bucket_numels, method, scenario.chunk_elements),
+        largest_share=_largest_share(
+            first.bucket_numels, method, scenario.chunk_elements, scenario.ranks_per_host if method.two_level else 1
+        ),
         numel=first.numel,
         cpu_ms=1e3 * first.cpu_busy_s / len(first.step_s),
         busy=first.cpu_busy_s / first.cpu_total_s if first.cpu_total_s > 0 else None,
+        aggregator_cpu_ms=1e3 * first.aggregator_cpu_s / len(first.step_s),
     )
 
 
 # -- tables --------------------------------------------------------------------------------------
 
 
-def _find(rows: Sequence[Row], scenario: Scenario, key: str) -> Row | None:
+def find_row(rows: Sequence[Row], scenario: Scenario, key: str) -> Row | None:
+    """The row of ``key`` in ``scenario``, if measured."""
     return next((row for row in rows if row.scenario == scenario and row.method.key == key), None)
 
 
-def _optional(value: float | None, form: str) -> str:
+def format_optional(value: float | None, form: str) -> str:
+    """``value`` formatted, or ``-`` when None."""
     return "-" if value is None else format(value, form)
 
 
-def _percent(fraction: float | None) -> str:
+def format_percent(fraction: float | None) -> str:
+    """A fraction as a whole percentage, or ``-``."""
     return "-" if fraction is None else f"{100 * fraction:.0f}"
 
 
@@ -194,18 +235,18 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
     ]
     for row in rows:
         scenario = row.scenario
-        if scenario.model != model or scenario.aggregator_bottleneck:
+        if scenario.model != model or scenario.aggregator_bottleneck or scenario.ranks_per_host > 1:
             continue
-        allreduce, compute = _find(rows, scenario, "allreduce"), _find(rows, scenario, "compute-only")
+        allreduce, compute = find_row(rows, scenario, "allreduce"), find_row(rows, scenario, "compute-only")
         speedup = None if allreduce is None else allreduce.step_ms / row.step_ms
         compute_ms = None if compute is None else compute.step_ms
         lines.append(
             f"| {scenario.world_size} | {scenario.links()} | {row.method.label} | {row.step_ms:.1f} "
-            f"| {_optional(speedup, '.2f')} | {_optional(compute_ms, '.1f')} "
-            f"| {_optional(None if compute_ms is None else row.step_ms - compute_ms, '.1f')} "
-            f"| {_optional(row.link_ms(), '.1f')} | {_percent(row.overlap)} "
-            f"| {_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} "
-            f"| {row.cpu_ms:.1f} | {_percent(row.busy)} | {row.cpu_floor_ms:.1f} |"
+            f"| {format_optional(speedup, '.2f')} | {format_optional(compute_ms, '.1f')} "
+            f"| {format_optional(None if compute_ms is None else row.step_ms - compute_ms, '.1f')} "
+            f"| {format_optional(row.link_ms(), '.1f')} | {format_percent(row.overlap)} "
+            f"| {format_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} "
+            f"| {row.cpu_ms:.1f} | {format_percent(row.busy)} | {row.cpu_floor_ms:.1f} |"
         )
     return lines
 
@@ -235,8 +276,8 @@ def _shard_table(rows: Sequence[Row]) -> list[str]:
         wire_rate = row.scenario.world_size * row.tx_per_step / (row.step_ms / 1e3)
         lines.append(
             f"| {row.scenario.model} | {row.scenario.world_size} | {row.scenario.links()} | {row.method.shards} "
-            f"| {_optional(row.largest_share, '.3f')} | {row.step_ms:.1f} | {_gradient_rate(row) / MEGA:.1f} "
-            f"| {wire_rate / MEGA:.1f} | {_optional(gain, '.2f')} |"
+            f"| {format_optional(row.largest_share, '.3f')} | {row.step_ms:.1f} | {_gradient_rate(row) / MEGA:.1f} "
+            f"| {wire_rate / MEGA:.1f} | {format_optional(gain, '.2f')} |"
         )
     return lines
 
@@ -274,7 +315,8 @@ SHARD_FOOTNOTES = """\
 # -- targets -------------------------------------------------------------------------------------
 
 
-def _verdict(passed: bool | None, name: str, detail: str) -> str:
+def verdict(passed: bool | None, name: str, detail: str) -> str:
+    """One target line: PASS, FAIL or SKIP (``passed`` None), its name and the numbers."""
     outcome = "SKIP" if passed is None else "PASS" if passed else "FAIL"
     return f"- {outcome} {name}: {detail}"
 
@@ -284,7 +326,11 @@ def _at_target(rows: Sequence[Row]) -> dict[str, list[Row]]:
     chosen: dict[str, list[Row]] = {}
     for row in rows:
         scenario = row.scenario
-        if scenario.world_size == TARGET_WORLD and scenario.worker_rate == scenario.aggregator_rate == TARGET_RATE:
+        if (
+            scenario.ranks_per_host == 1
+            and scenario.world_size == TARGET_WORLD
+            and scenario.worker_rate == scenario.aggregator_rate == TARGET_RATE
+        ):
             chosen.setdefault(scenario.model, []).append(row)
     return chosen
 
@@ -299,16 +345,17 @@ def _speedup_targets(rows: Sequence[Row]) -> list[str]:
                     f"{model}: {row.method.label} >= {limit}x faster than gloo allreduce fp32 ({TARGET_RATE}, world 4)"
                 )
                 if allreduce is None:
-                    lines.append(_verdict(None, name, "allreduce not measured"))
+                    lines.append(verdict(None, name, "allreduce not measured"))
                     continue
                 speedup = allreduce.step_ms / row.step_ms
                 detail = f"{allreduce.step_ms:.1f} ms / {row.step_ms:.1f} ms = {speedup:.2f}x"
                 if speedup < limit:
                     detail += (
                         f"; needs <= {allreduce.step_ms / limit:.1f} ms, and its CPU alone needs "
-                        f">= {row.cpu_floor_ms:.1f} ms/step on {CORES} cores ({_percent(row.busy)}% busy; see [g])"
+                        f">= {row.cpu_floor_ms:.1f} ms/step on {CORES} cores "
+                        f"({format_percent(row.busy)}% busy; see [g])"
                     )
-                lines.append(_verdict(speedup >= limit, name, detail))
+                lines.append(verdict(speedup >= limit, name, detail))
     return lines
 
 
@@ -318,16 +365,16 @@ def _allgather_targets(rows: Sequence[Row]) -> list[str]:
         gradq = [row for row in rows if row.method.bits == 8 and row.method.shards == shards]
         gradq = [row for row in gradq if row.scenario.worker_rate == TARGET_RATE]
         name = f"gradq 8-bit, {shards} shard(s) faster than the seed allgather hook at every world size ({TARGET_RATE})"
-        pairs = [(row, _find(rows, row.scenario, "seed-pertensor")) for row in gradq]
+        pairs = [(row, find_row(rows, row.scenario, "seed-pertensor")) for row in gradq]
         measured = [(row, seed) for row, seed in pairs if seed is not None]
         if not measured:
-            lines.append(_verdict(None, name, "needs gradq8 and seed-pertensor rows"))
+            lines.append(verdict(None, name, "needs gradq8 and seed-pertensor rows"))
             continue
         detail = "; ".join(
             f"{row.scenario.model} world {row.scenario.world_size}: {row.step_ms:.1f} vs {seed.step_ms:.1f} ms"
             for row, seed in measured
         )
-        lines.append(_verdict(all(row.step_ms < seed.step_ms for row, seed in measured), name, detail))
+        lines.append(verdict(all(row.step_ms < seed.step_ms for row, seed in measured), name, detail))
     return lines
 
 
@@ -338,15 +385,15 @@ def _shard_targets(rows: Sequence[Row]) -> list[str]:
         one, two = _with_shards(shard_rows, scenario, 1), _with_shards(shard_rows, scenario, 2)
         name = f"{scenario.model}: 2 shards move >= {TARGET_SHARD_GAIN}x the gradient bytes/s of 1 ({scenario.links()})"
         if one is None or two is None:
-            lines.append(_verdict(None, name, "needs both gradq8 rows"))
+            lines.append(verdict(None, name, "needs both gradq8 rows"))
             continue
         gain = _gradient_rate(two) / _gradient_rate(one)
-        bound = _optional(None if two.largest_share is None else 1 / two.largest_share, ".2f")
+        bound = format_optional(None if two.largest_share is None else 1 / two.largest_share, ".2f")
         detail = (
             f"{_gradient_rate(one) / MEGA:.1f} -> {_gradient_rate(two) / MEGA:.1f} MB/s = {gain:.2f}x "
             f"(1 / busiest shard's share = {bound}x)"
         )
-        lines.append(_verdict(gain >= TARGET_SHARD_GAIN, name, detail))
+        lines.append(verdict(gain >= TARGET_SHARD_GAIN, name, detail))
     return lines
 
 
@@ -360,23 +407,32 @@ def _overlap_lines(rows: Sequence[Row]) -> list[str]:
                 continue
             lines.append(
                 f"- SHOWN {model}, {row.method.label} ({TARGET_RATE}, world {TARGET_WORLD}): {row.hidden_ms:.1f} ms "
-                f"of communication in flight while backward still computed ({_percent(row.overlap)}% of the "
+                f"of communication in flight while backward still computed ({format_percent(row.overlap)}% of the "
                 f"window), {row.tail_ms:.1f} ms after it; step {row.step_ms:.1f} ms = compute-only "
                 f"{compute.step_ms:.1f} + exposed {row.step_ms - compute.step_ms:.1f} ms "
-                f"(busiest link needs >= {_optional(row.link_ms(), '.1f')} ms)"
+                f"(busiest link needs >= {format_optional(row.link_ms(), '.1f')} ms)"
             )
     return lines
 
 
-def render(rows: Sequence[Row], setup: str) -> str:
+def render(rows: Sequence[Row], setup: str, host_sections: Sequence[str] = ()) -> str:
     """The whole report as markdown.
 
     Args:
         rows: every measured row, in run order.
         setup: a paragraph on how the run was made (steps, machine, load, gradq revision).
+        host_sections: lines on the scenarios whose hosts hold several ranks (network_hosts_report).
     """
-    numel = {row.scenario.model: row.numel for row in rows}
     lines = ["# DDP step over rate-limited links (bench/network.py)", "", setup]
+    rows = [row for row in rows if row.scenario.ranks_per_host == 1]
+    if rows:
+        lines += _single_rank_sections(rows)
+    return "\n".join([*lines, *host_sections])
+
+
+def _single_rank_sections(rows: Sequence[Row]) -> list[str]:
+    lines: list[str] = []
+    numel = {row.scenario.model: row.numel for row in rows}
     for model, parameters in numel.items():
         lines += ["", f"## {model} ({parameters:,} parameters)", "", *_main_table(rows, model)]
     lines += ["", FOOTNOTES]
@@ -392,7 +448,7 @@ def render(rows: Sequence[Row], setup: str) -> str:
     targets = _speedup_targets(rows) + _allgather_targets(rows) + _shard_targets(rows)
     lines += ["", "## targets", "", *targets]
     lines += ["", f"## overlap with backward ({TARGET_RATE}, world {TARGET_WORLD}; see [b])", "", *_overlap_lines(rows)]
-    return "\n".join(lines)
+    return lines
 
 
 # -- plot ----------------------------------------------------------------------------------------
@@ -407,7 +463,13 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
         import matplotlib.pyplot as pyplot
     except ImportError:
         return None
-    main = [row for row in rows if not row.scenario.aggregator_bottleneck and row.scenario.worker_rate is not None]
+    main = [
+        row
+        for row in rows
+        if not row.scenario.aggregator_bottleneck
+        and row.scenario.worker_rate is not None
+        and row.scenario.ranks_per_host == 1
+    ]
     panels = list(dict.fromkeys((row.scenario.model, row.scenario.world_size) for row in main))
     if not panels:
         return None
