@@ -185,11 +185,15 @@ def push_through_host(
         of its ranks failed its pieces.
     """
     numel = buffer.numel()
-    summed = buffer.detach().reshape(-1).to(torch.float32, copy=True)  # the host's sum, in fp32 whatever the bucket
+    flat = buffer.detach().reshape(-1)
+    # The host's sum, in fp32: in the bucket itself when it is fp32 (DDP leaves it to the
+    # hook until the future is done, as the flat path's decode-in-place relies on too).
+    summed = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
     reduced = None if host.reduce_group is None else dist.all_reduce(summed, group=host.reduce_group, async_op=True)
     on_device = quantizes_on_device(buffer.device, codec)
-    # One element more: set by a rank that failed its pieces, so the whole host fails together.
-    gathered = torch.zeros(numel + 1, dtype=torch.float32, device=buffer.device if on_device else "cpu")
+    # Where the mean pieces land: the sum itself (each piece is encoded before its mean
+    # comes back), or a host buffer when a device bucket is quantized by numpy.
+    landing = summed if on_device or summed.device.type == "cpu" else torch.empty(numel, dtype=torch.float32)
     pushed: concurrent.futures.Future[list[concurrent.futures.Future[Any]]] = concurrent.futures.Future()
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     dtype = str(buffer.dtype).removeprefix("torch.")
@@ -200,7 +204,7 @@ def push_through_host(
             if reduced is not None:
                 reduced.wait()
             values = summed if on_device else summed.cpu().numpy()
-            out = gathered if on_device else gathered.numpy()
+            out = landing if on_device else landing.numpy()
             pushed.set_result(
                 [
                     client.push_pull_async(step, key, values[begin:end], out=out[begin:end], dtype=dtype)
@@ -217,26 +221,34 @@ def push_through_host(
                 part.result()
         except Exception as error:
             failure = error
-        mean = gathered.to(buffer.device)
-        if failure is not None:
-            mean.zero_()
-            mean[numel] = 1.0
+        mean = landing.to(buffer.device)
         try:
             if host.gather_group is not None:
-                dist.all_reduce(mean, group=host.gather_group)
+                # First whether every rank of the host has its pieces: all gather the mean, or all fail.
+                failed = torch.tensor([0.0 if failure is None else 1.0], device=buffer.device)
+                dist.all_reduce(failed, group=host.gather_group)
+                if failure is None and failed.item() > 0:
+                    reason = f"another rank of host {host.host} failed its pieces of step {step}; its error says why"
+                    failure = AggregationError(client.addresses[0], None, reason)
+                if failure is None:
+                    _zero_outside(mean, segments)  # each piece then has exactly one owner in the sum
+                    dist.all_reduce(mean, group=host.gather_group)
         except Exception as error:
             failure = failure or error
-        if failure is None and mean[numel].item() > 0:
-            failure = AggregationError(
-                client.addresses[0],
-                None,
-                f"another rank of {host.describe().split(',')[0]} failed its pieces of step {step}",
-            )
         if failure is not None:
             result.set_exception(failure)  # type: ignore[arg-type]  # torch's stub says Tensor
         else:
-            result.set_result(mean[:numel].to(buffer.dtype).view_as(buffer))
+            result.set_result(mean.to(buffer.dtype).view_as(buffer))
 
     sender.submit(push)
     gatherer.submit(gather)
     return result
+
+
+def _zero_outside(values: torch.Tensor, segments: list[Segment]) -> None:
+    """Zero every element of ``values`` outside the (sorted, disjoint) segments."""
+    start = 0
+    for _, begin, end in segments:
+        values[start:begin] = 0.0
+        start = end
+    values[start:] = 0.0
