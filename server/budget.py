@@ -1,4 +1,4 @@
-"""The memory budget: bytes held by open rounds' accumulators and retained means, refused past a limit.
+"""The memory budget: bytes held by open rounds' accumulators, retained means and failures, refused past a limit.
 
 Counted, not measured: the accumulator of a round is allocated only after its
 bytes are charged here, so a push that would pass the budget is refused before
@@ -68,13 +68,13 @@ class MemoryBudget:
                 raise ResourceExhaustedError(
                     f"{what} needs {_format_bytes(nbytes)}, but {account.name} may hold at most "
                     f"{_format_bytes(account.limit)} (--max-job-memory-bytes) and holds "
-                    f"{_format_bytes(account.in_use)} in open rounds and retained means; retry when its rounds finish"
+                    f"{_format_bytes(account.in_use)} in open and retained rounds; retry when its rounds finish"
                 )
             if self._in_use + nbytes > self.limit:
                 raise ResourceExhaustedError(
                     f"{what} needs {_format_bytes(nbytes)}, but the memory budget is {_format_bytes(self.limit)} "
-                    f"(--max-memory-bytes) and {_format_bytes(self._in_use)} is in use by open rounds and "
-                    f"retained means; retry when rounds finish"
+                    f"(--max-memory-bytes) and {_format_bytes(self._in_use)} is in use by open and "
+                    f"retained rounds; retry when rounds finish"
                 )
             self._in_use += nbytes
             account.in_use += nbytes

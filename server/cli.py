@@ -104,7 +104,8 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "GRADQ_MAX_MEMORY_BYTES",
         int,
         _LIMITS.max_memory_bytes,
-        "budget for open rounds' fp32 accumulators plus retained means (default: half the machine's memory); "
+        "budget for open rounds' fp32 accumulators, retained means and failures and server error-feedback "
+        "residuals (default: half the machine's memory); "
         "a push past it gets RESOURCE_EXHAUSTED",
     ),
     (

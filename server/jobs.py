@@ -62,9 +62,12 @@ class Job:
     newest_completed_step: int = -1
     # Anchors the step window until a round completes (a job may resume from a checkpoint at any step).
     first_step: int = -1
+    # The newest step of any round opened: a failed round of an older step is one the ranks have moved past.
+    newest_step: int = -1
     # (scheme, bits, channel size) fixed by the job's first push; every push must match.
     grid: tuple[object, ...] | None = None
-    error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+    error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # --server-error-feedback's residuals
+    feedback_lock: threading.Lock = field(default_factory=threading.Lock)  # a leaf: one mean at a time uses them
     superseded: tuple[str, ...] = ()
     retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
 

@@ -40,8 +40,9 @@ class ServiceLimits:
         max_world_size: largest ``world_size`` a Join may ask for.
         job_idle_timeout_s: a job with no Join, PushPull or Leave this long is
             forgotten (its rounds fail), so abandoned jobs do not pile up.
-        max_memory_bytes: accumulators of open rounds plus retained means; a push
-            that would open a round past it is refused.
+        max_memory_bytes: accumulators of open rounds, retained means, remembered
+            failures and server error-feedback residuals; a push that would open a
+            round past it is refused.
         max_job_memory_bytes: the most of that one job may hold, so a job that
             opens rounds it never completes cannot take the budget from the others.
         max_waiting_per_job: PushPull calls of one job waiting for rounds at once.

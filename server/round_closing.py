@@ -1,16 +1,18 @@
 """Closing a round: average and re-encode it, or fail it; then wake its waiters, count it and forget old rounds.
 
 Every method is called with the round's lock held; it takes the job table's
-lock after it (the table's lock order) and the budget's, a leaf.
+lock after it (the table's lock order), the job's feedback lock (server error
+feedback) and the budget's, a leaf.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from gradq.qcore import encode
+from gradq.qcore import QuantizedArray, encode
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
@@ -43,7 +45,7 @@ class RoundCloser:
         jobs: JobTable,
         budget: MemoryBudget,
         accumulators: AccumulatorPool,
-        package: Callable[[RoundResult], object] | None,
+        package: Callable[[RoundResult], bytes] | None,
         observer: RoundObserver | None,
     ) -> None:
         self.policy = policy
@@ -66,12 +68,19 @@ class RoundCloser:
         if rnd.non_finite:
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
         config = return_config_for(self.policy, rnd.pushed)
-        try:
-            if self.policy.server_error_feedback:
-                encoded = job.error_feedback.encode(rnd.bucket, mean, config)
-            else:
+        encoded: QuantizedArray | None = None
+        if self.policy.server_error_feedback:
+            # One mean of the job at a time updates its residuals, and what they hold is charged to
+            # it (a round reserved its bucket's residual when it opened): held until the job ends.
+            with job.feedback_lock:
+                held = _residual_bytes(job, rnd.bucket)
+                with contextlib.suppress(ValueError):
+                    encoded = job.error_feedback.encode(rnd.bucket, mean, config)
+                self._budget.adjust(held, _residual_bytes(job, rnd.bucket), job.memory)
+        else:
+            with contextlib.suppress(ValueError):
                 encoded = encode(mean, config, dtype=rnd.pushed.dtype)
-        except ValueError:
+        if encoded is None:
             error = InvalidArgumentError(
                 f"{rnd.describe(job.job_id)}: the mean is not finite (contributions overflow float32)"
             )
@@ -82,7 +91,9 @@ class RoundCloser:
         result = RoundResult(
             encoded, tuple(sorted(rnd.contributors)), missing, ranks=rnd.ranks, skipped=bool(rnd.non_finite)
         )
-        rnd.result = replace(result, packaged=self._package(result)) if self._package else result
+        # Packaged, the wire form is the one copy the round keeps of its mean (for W waiters and retries).
+        rnd.result = replace(result, encoded=None, packaged=self._package(result)) if self._package else result
+        del encoded, result
         log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
         outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"
         self._release(job, rnd, outcome, reason)
@@ -115,7 +126,8 @@ class RoundCloser:
 
     def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
-        retained = rnd.result.mean.nbytes + _packaged_bytes(rnd.result) if rnd.result is not None else 0
+        # Kept for retries and late pushes: the mean once, or what a failure's record holds.
+        retained = rnd.result.retained_bytes if rnd.result is not None else rnd.failure_bytes
         self._budget.adjust(rnd.charged, retained, job.memory)
         rnd.charged = retained
         if rnd.accumulator is not None:
@@ -141,13 +153,15 @@ class RoundCloser:
             oldest = job.newest_completed_step - self.policy.retain_steps
             for key in [k for k, r in job.rounds.items() if r.step < oldest and r.done.is_set()]:
                 dropped.append(job.rounds.pop(key))
-        for old in dropped:
-            if old is not rnd:
-                self._budget.adjust(
-                    old.charged, 0, job.memory
-                )  # its lock is not needed: a done round's charge is final
-                old.charged = 0
+        if rnd.error is not None:
+            rnd.forget_ranks()  # reported and counted: its error answers every later push
+        for old in dropped:  # this round among them when its step is already below the window
+            # Its lock is not needed: a done round's charge is final (this one's lock is held).
+            self._budget.adjust(old.charged, 0, job.memory)
+            old.charged = 0
 
 
-def _packaged_bytes(result: RoundResult) -> int:
-    return len(result.packaged) if isinstance(result.packaged, bytes) else 0
+def _residual_bytes(job: Job, bucket: int) -> int:
+    """Bytes of the server error-feedback residual ``job`` holds for ``bucket`` (0 without one)."""
+    residual = job.error_feedback.residual(bucket)
+    return residual.nbytes if residual is not None else 0

@@ -41,7 +41,7 @@ def round_report(job_id: str, rnd: Round, outcome: str, reason: str) -> RoundRep
     """
     arrivals = sorted(rnd.arrivals.items(), key=lambda item: item[1])
     # Counted as the client counts what it receives: the encoded mean's wire size.
-    sent = rnd.result.mean.nbytes * len(rnd.result.contributors) if rnd.result is not None else 0
+    sent = rnd.result.mean_bytes * len(rnd.result.contributors) if rnd.result is not None else 0
     return RoundReport(
         job_id=job_id,
         outcome=outcome,

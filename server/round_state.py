@@ -13,7 +13,12 @@ from gradq.qcore import QuantizedArray, decode, decode_accumulate
 from gradq.server.errors import RoundError
 from gradq.server.policy import PushedGrid
 
-__all__ = ["Round", "RoundResult", "Waker"]
+__all__ = ["FAILED_ROUND_BYTES", "Round", "RoundResult", "Waker"]
+
+# What a failed round kept to answer late pushes holds besides its error's message: the
+# Round with its lock, event and emptied per-rank sets (about 2.7 KiB measured by
+# tests/server/test_late_pushes.py), charged to its job's memory budget.
+FAILED_ROUND_BYTES = 4096
 
 
 class Waker(Protocol):
@@ -24,21 +29,48 @@ class Waker(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    """What every waiter of a finished round receives."""
+    """What every waiter of a finished round receives.
 
-    mean: QuantizedArray
+    It holds the mean once: as ``encoded`` for in-process callers, or, once the
+    table has packaged it (the aggregator), only as ``packaged``, its wire
+    form; the round keeps it for retries, so a second copy would double what
+    the retained steps hold.
+    """
+
+    encoded: QuantizedArray | None  # the mean on the return grid; None once packaged
     contributors: tuple[int, ...]
     missing: tuple[int, ...] = ()
     ranks: int = 0  # the ranks the contributors stand for: what the mean divides by
     skipped: bool = False  # a rank reported non-finite values; the mean is zeros
     # The answer in its wire form, built once per round by the table's ``package``
     # callable, so W waiters do not serialize the same mean W times.
-    packaged: object = None
+    packaged: bytes | None = None
+    mean_bytes: int = -1  # the encoded mean's size (``QuantizedArray.nbytes``); set from ``encoded``
+
+    def __post_init__(self) -> None:
+        if self.mean_bytes < 0:
+            object.__setattr__(self, "mean_bytes", self.encoded.nbytes if self.encoded is not None else 0)
+
+    @property
+    def mean(self) -> QuantizedArray:
+        """The mean on the return grid.
+
+        Raises:
+            ValueError: the result was packaged; its mean is in ``packaged`` only.
+        """
+        if self.encoded is None:
+            raise ValueError("this round's mean was packaged: read it from RoundResult.packaged")
+        return self.encoded
 
     @property
     def partial(self) -> bool:
         """True when the round closed on a quorum with ranks missing."""
         return bool(self.missing)
+
+    @property
+    def retained_bytes(self) -> int:
+        """What keeping this result for retries holds: its wire form once packaged, else the encoded mean."""
+        return len(self.packaged) if self.packaged is not None else self.mean_bytes
 
 
 class Round:
@@ -98,6 +130,18 @@ class Round:
         self.charged = 0  # bytes this round holds against the memory budget
         self.result: RoundResult | None = None
         self.error: RoundError | None = None
+
+    @property
+    def failure_bytes(self) -> int:
+        """What keeping this failed round holds: ``FAILED_ROUND_BYTES`` and its error's message."""
+        return FAILED_ROUND_BYTES + len(str(self.error))
+
+    def forget_ranks(self) -> None:
+        """Drop the per-rank state a failed round no longer needs (it answers every push with its error)."""
+        self.contributors.clear()  # clear() gives a grown table back; the objects stay small
+        self.digests.clear()
+        self.arrivals.clear()
+        self.non_finite.clear()
 
     def describe(self, job_id: str) -> str:
         return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"

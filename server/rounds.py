@@ -3,7 +3,9 @@
 Plain Python (no grpc), so tests drive it directly. One fp32 accumulator per
 round in flight; contributions are dequantized into it on arrival, so memory is
 O(bucket), not O(world x bucket). Lock order: a round's lock may be taken
-before the job table's, never the other way round; the budget's lock is a leaf.
+before the job table's, never the other way round; a job's feedback lock is
+taken under a round's lock or alone, and only the budget's after it; the
+budget's lock is a leaf.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from gradq.qcore import QuantizedArray
 from gradq.server.budget import MemoryBudget
@@ -54,7 +58,8 @@ class RoundTable:
         policy: deadlines, quorum and return scheme.
         clock: monotonic seconds; tests may pass their own.
         package: turns a finished round's result into its wire answer, once
-            per round (stored as ``RoundResult.packaged``).
+            per round (stored as ``RoundResult.packaged``, which then holds the
+            round's only copy of its mean).
         observer: told about every finished round (metrics).
         limits: step window, caps and the memory budget.
         job_finished: called with a job's id once its last joined rank has left
@@ -65,7 +70,7 @@ class RoundTable:
         self,
         policy: RoundPolicy,
         clock: Callable[[], float] = time.monotonic,
-        package: Callable[[RoundResult], object] | None = None,
+        package: Callable[[RoundResult], bytes] | None = None,
         observer: RoundObserver | None = None,
         limits: ServiceLimits | None = None,
         job_finished: Callable[[str], None] | None = None,
@@ -143,6 +148,11 @@ class RoundTable:
                         )
                     self.budget.adjust(rnd.charged, 0, gone.job.memory)
                     rnd.charged = 0
+            with gone.job.feedback_lock:  # its rounds are all done: no mean changes its residuals any more
+                residuals = gone.job.error_feedback
+                held = sum(_nbytes(residuals.residual(key)) for key in list(residuals.keys()))
+                residuals.reset()
+            self.budget.adjust(held, 0, gone.job.memory)
 
     # -- the round --------------------------------------------------------------------------
 
@@ -211,8 +221,10 @@ class RoundTable:
             job = self.jobs.member(job_id, rank, incarnation, self._clock())
             check_grid(job, tensor)
             rnd = job.rounds.get((step, bucket))
-            if rnd is not None and self._superseded_failure(rnd):
+            if rnd is not None and self._superseded_failure(job, rnd):
                 del job.rounds[(step, bucket)]
+                self.budget.adjust(rnd.charged, 0, job.memory)  # a done round's charge is final
+                rnd.charged = 0
                 rnd = None
             if job.lost and not self.policy.partial_quorum and (rnd is None or not rnd.done.is_set()):
                 lost = min(job.lost)
@@ -262,17 +274,23 @@ class RoundTable:
                 if len(rnd.contributors) == job.world_size:
                     self._closer.finish(job, rnd)
 
-    def _superseded_failure(self, rnd: Round) -> bool:
-        """A round that failed for lack of ranks, old enough that a new push starts it afresh.
+    def _superseded_failure(self, job: Job, rnd: Round) -> bool:
+        """A round that failed for lack of ranks which a new push of its (step, bucket) starts afresh.
 
-        For one round timeout past its deadline it answers its failure to late
-        ranks and retries, so the stragglers of that attempt learn of it at
-        once; after that it must not break a later push of the same (step,
-        bucket), such as a legitimate step that a stray far-ahead push had
-        opened too early (even from the same rank's credentials).
+        A failed round answers its failure at once to every later push of its
+        (step, bucket), as a completed one answers its mean: a retry, or a rank
+        that was late past the deadline (stopped, swapped out), which then
+        goes on to the step the others are at instead of opening the failed
+        round again and waiting a whole deadline for ranks that have moved on.
+        Only a round that nothing has moved past is started afresh, one round
+        timeout after its deadline: no round of a later step has been opened
+        since, so it was opened too early by a stray push (it must not break
+        the legitimate step when the job gets there, nor be mixed into it).
+        Caller holds the job table's lock.
         """
-        aborted = isinstance(rnd.error, RoundAbortedError)
-        return aborted and self._clock() >= rnd.deadline + self.policy.round_timeout_s
+        aborted = rnd.done.is_set() and isinstance(rnd.error, RoundAbortedError)  # done: its charge is final
+        moved_past = job.newest_step > rnd.step
+        return aborted and not moved_past and self._clock() >= rnd.deadline + self.policy.round_timeout_s
 
     def _open_round(self, job: Job, step: int, bucket: int, tensor: QuantizedArray) -> Round:
         """A new round, inside the step window and the budgets. Caller holds the job table's lock."""
@@ -284,8 +302,15 @@ class RoundTable:
                 f"{job.describe()} has {len(job.open)} rounds open, its limit (--max-open-rounds="
                 f"{self.limits.max_open_rounds}); finish them before starting round (step={step}, bucket={bucket})"
             )
-        charge = 4 * tensor.numel
-        self.budget.charge(charge, f"round (job={job.job_id!r}, step={step}, bucket={bucket})", job.memory)
+        charge = 4 * tensor.numel  # the fp32 accumulator
+        what = f"round (job={job.job_id!r}, step={step}, bucket={bucket})"
+        residual = job.error_feedback.residual(bucket) if self.policy.server_error_feedback else None
+        if self.policy.server_error_feedback and (residual is None or residual.size != tensor.numel):
+            # The fp32 residual its mean will leave (--server-error-feedback), held until the job ends:
+            # reserved now, so a job that invents round keys is refused instead of growing without bound.
+            charge += 4 * tensor.numel
+            what += " and its error-feedback residual"
+        self.budget.charge(charge, what, job.memory)
         grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
         try:
             accumulator = self.accumulators.take(tensor.numel)
@@ -300,6 +325,7 @@ class RoundTable:
         job.open.add(rnd)
         if job.first_step < 0:
             job.first_step = step
+        job.newest_step = max(job.newest_step, step)
         return rnd
 
     def watch(self, ticket: RoundTicket, waker: Waker) -> float | None:
@@ -422,3 +448,7 @@ def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
             f"without rank {rank}; this contribution was not counted"
         )
     return rnd.result
+
+
+def _nbytes(array: np.ndarray | None) -> int:
+    return array.nbytes if array is not None else 0

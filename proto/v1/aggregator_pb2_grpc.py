@@ -68,7 +68,10 @@ class AggregatorServicer:
 
     def PushPull(self, request, context):
         """Contribute one bucket and wait for the round's mean. Safe to retry: a
-        duplicate (job, step, bucket, rank) gets the same answer and counts once.
+        duplicate (job, step, bucket, rank) gets the same answer and counts once,
+        and a push to a round that failed gets that failure at once (except a
+        round no later step has moved past, a round timeout after its deadline:
+        a stray push opened it too early, and the push starts it afresh).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

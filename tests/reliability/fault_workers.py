@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
+from types import FrameType
 
 import numpy as np
 
@@ -27,24 +30,56 @@ def exact_mean(world: int, step: int) -> np.ndarray:
 
 
 def run_worker(
-    address: str, job: str, rank: int, world: int, steps: int, hang_at: int, pause_s: float, events: mp.Queue
+    address: str,
+    job: str,
+    rank: int,
+    world: int,
+    steps: int,
+    hang_at: int,
+    pause_s: float,
+    events: mp.Queue,
+    stop_at: int = -1,
+    keep_going: bool = False,
 ) -> None:
-    """Push ``steps`` steps; report each outcome as (rank, step, ok, detail, seconds)."""
+    """Push ``steps`` steps; report each outcome as (rank, step, ok, detail, seconds).
+
+    At ``hang_at`` the worker hangs for good; at ``stop_at`` it reports
+    "stopping" and pushes only after a SIGCONT (the test SIGSTOPs it meanwhile). With ``keep_going`` a failed step
+    is reported and the worker goes on to the next, as a training loop that
+    skips a failed step would.
+    """
     config = QuantConfig(scheme=Scheme.FLOAT32)
     with WorkerClient(address, job, rank, world, config, timeout_s=60, retry_backoff_s=0.1, max_retries=8) as client:
         for step in range(steps):
             if step == hang_at:
                 events.put((rank, step, True, "hanging", 0.0))
                 time.sleep(3600)
+            if step == stop_at:
+                continued = threading.Event()
+                signal.signal(signal.SIGCONT, _setter(continued))
+                events.put((rank, step, True, "stopping", 0.0))  # the test SIGSTOPs us, then SIGCONTs
+                while not continued.is_set():
+                    time.sleep(0.01)
             started = time.monotonic()
             try:
                 mean = client.push_pull(step, 0, gradient(rank, step))
             except AggregationError as error:
                 events.put((rank, step, False, str(error), time.monotonic() - started))
+                if keep_going:
+                    continue
                 return
             exact = bool(np.array_equal(mean, exact_mean(world, step)))
             events.put((rank, step, exact, "exact" if exact else f"inexact: {mean[:4]}", time.monotonic() - started))
             time.sleep(pause_s)
+
+
+def _setter(event: threading.Event) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that sets ``event``."""
+
+    def handle(_signum: int, _frame: FrameType | None) -> None:
+        event.set()
+
+    return handle
 
 
 class Outcomes:
@@ -71,14 +106,23 @@ class Outcomes:
 
 
 def start_workers(
-    address: str, job: str, world: int, steps: int, hang: dict[int, int] | None = None, pause_s: float = 0.0
+    address: str,
+    job: str,
+    world: int,
+    steps: int,
+    hang: dict[int, int] | None = None,
+    pause_s: float = 0.0,
+    stop: dict[int, int] | None = None,
+    keep_going: bool = False,
 ) -> tuple[Sequence[BaseProcess], Outcomes]:
+    """Start ``world`` worker processes; ``hang`` and ``stop`` map a rank to the step it hangs or stops at."""
     context = mp.get_context("spawn")
     queues: list[mp.Queue] = [context.Queue() for _ in range(world)]
     processes = [
         context.Process(
             target=run_worker,
             args=(address, job, rank, world, steps, (hang or {}).get(rank, -1), pause_s, queues[rank]),
+            kwargs={"stop_at": (stop or {}).get(rank, -1), "keep_going": keep_going},
             daemon=True,
         )
         for rank in range(world)

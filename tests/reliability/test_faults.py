@@ -1,4 +1,4 @@
-"""Faults with real processes: a worker killed mid-round, an aggregator killed and restarted mid-training."""
+"""Faults with real processes: a worker killed or stopped mid-training, an aggregator killed and restarted."""
 
 from __future__ import annotations
 
@@ -85,6 +85,50 @@ def test_killed_worker_is_named_to_survivors_within_deadline_and_server_keeps_se
         thread.join(timeout=30)
     for rank in (0, 1):
         np.testing.assert_array_equal(results[rank], exact_mean(2, 0))
+
+
+def test_ranks_realign_after_one_is_stopped_longer_than_the_deadline(
+    aggregators: list[subprocess.Popen[bytes]],
+) -> None:
+    """SIGSTOP past a deadline plus a round timeout: its late pushes fail at once, then every step completes."""
+    port = free_port()
+    aggregators.append(start_aggregator(port))
+    stop_at, steps, stopped_s = 2, 12, 2.5 * ROUND_TIMEOUT_S
+    workers, events = start_workers(
+        f"127.0.0.1:{port}", "stopped", world=3, steps=steps, stop={2: stop_at}, keep_going=True
+    )
+    outcomes: dict[tuple[int, int], Event] = {}
+    try:
+        for event in collect(events, 3 * stop_at + 1, timeout_s=60):  # steps 0-1 for all, then rank 2 stops
+            outcomes[event[:2]] = event
+        assert outcomes[(2, stop_at)][3] == "stopping"
+        assert workers[2].pid is not None
+        os.kill(workers[2].pid, signal.SIGSTOP)
+        time.sleep(stopped_s)  # ranks 0 and 1 fail a step per deadline meanwhile
+        os.kill(workers[2].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while len([key for key in outcomes if key[1] >= stop_at]) < 3 * (steps - stop_at):
+            assert time.monotonic() < deadline, sorted(outcomes)
+            try:
+                event = events.get(0.5)
+            except queue.Empty:
+                continue
+            outcomes[event[:2]] = event
+    finally:
+        for worker in workers:
+            worker.kill()
+    late = [outcomes[(2, step)] for step in range(stop_at, steps) if not outcomes[(2, step)][2]]
+    print("rank 2 after SIGCONT:", [(step, ok, f"{seconds:.2f} s") for _, step, ok, _, seconds in late])
+    assert late, "rank 2 was stopped past several deadlines: its first steps after SIGCONT must fail"
+    for _, step, _, detail, seconds in late:
+        assert "ABORTED" in detail and "ranks [2] missing" in detail, detail
+        assert seconds < ROUND_TIMEOUT_S / 2, f"step {step}: a failed round's answer waited {seconds:.2f} s"
+    # Realigned: from the first step rank 2 completes, every step completes for every rank.
+    first = min(step for step in range(stop_at, steps) if outcomes[(2, step)][2])
+    assert first <= stop_at + 2 + int(stopped_s / ROUND_TIMEOUT_S), first
+    for step in range(first, steps):
+        for rank in range(3):
+            assert outcomes[(rank, step)][2], outcomes[(rank, step)]
 
 
 def test_aggregator_killed_and_restarted_mid_training_never_double_counts(
