@@ -8,7 +8,11 @@ the gloo rendezvous. More addresses than ``--world-size`` fail every worker with
 
 Every flag can also be set by a GRADQ_* environment variable, so a Compose
 override adds settings (``environment`` merges key by key) without repeating
-the command (``command`` is replaced whole).
+the command (``command`` is replaced whole). The variables the DDP hook reads
+too are read by gradq.client.ddp.env, as ``GradqHookState.from_env()`` reads
+them: one parser, one default, one error message each. Before it loads torch
+a worker checks its settings, then waits up to ``--connect-timeout`` for its
+aggregator's health check; either failing is one line and exit status 2.
 
 A worker leaves on SIGTERM at once, even from inside a blocking collective,
 with its verdict's exit status when it has one (``docker compose up
