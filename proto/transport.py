@@ -1,4 +1,4 @@
-"""Transport settings every gradq gRPC endpoint shares: message limits and buffer reuse.
+"""Transport settings every gradq gRPC endpoint shares: message limits, buffer reuse, telling TLS from plaintext.
 
 Why the allocator is tuned here: a bucket crosses gRPC-Python as several
 multi-megabyte buffers per call (the serialized message, core's slices, the
@@ -15,9 +15,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
+import ssl
 import sys
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "keep_large_buffers"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "keep_large_buffers", "speaks_tls"]
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +76,41 @@ def keep_large_buffers() -> bool:
     _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     log.debug("large gRPC buffers are %s", "kept in the heap" if _tuned else "left to glibc's defaults")
     return _tuned
+
+
+def speaks_tls(address: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the endpoint at ``host:port`` answers a TLS handshake, to explain a failed call.
+
+    A gRPC call over plaintext to a TLS aggregator (or the reverse) fails as
+    UNAVAILABLE or DEADLINE_EXCEEDED with nothing that names the cause; this
+    opens a TCP connection of its own and starts a TLS handshake, verifying no
+    certificate.
+
+    Args:
+        address: ``host:port`` (an IPv6 host in brackets).
+        timeout_s: for the connection and the handshake.
+
+    Returns:
+        True if it answered in TLS (a completed handshake, or a TLS alert such
+        as "certificate required"), False if it answered but not in TLS, None
+        if no connection could be made (or ``address`` is not host:port).
+    """
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # gRPC servers refuse a handshake without it
+    try:
+        connection = socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=timeout_s)
+    except OSError:
+        return None
+    with connection:
+        try:
+            context.wrap_socket(connection).close()
+        except ssl.SSLError as error:
+            return "ALERT" in str(error.reason).upper()
+        except OSError:  # closed or reset mid-handshake: not a TLS peer
+            return False
+    return True

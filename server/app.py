@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Coroutine
@@ -32,6 +34,7 @@ from gradq.server.waiting import WaitingCalls
 
 __all__ = [
     "AggregatorServer",
+    "BindError",
     "ServerOptions",
     "ServiceLimits",
     "TlsFiles",
@@ -64,6 +67,22 @@ _SWEEP_PERIOD_S = 0.25
 _TRIM_AFTER_BYTES = 16 << 20
 # ... and at least this often (malloc_trim takes well under a millisecond here).
 _TRIM_EVERY_S = 5.0
+
+
+class BindError(OSError):
+    """A port the aggregator was told to serve on cannot be bound (in use, or not an address of this host).
+
+    Args:
+        option: the ServerOptions field that named it: "address" or "metrics_port".
+        address: host:port that could not be bound.
+        reason: why, in words.
+    """
+
+    def __init__(self, option: str, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
+        self.option = option
+        self.address = address
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +188,9 @@ class AggregatorServer:
         interceptors = [TokenAuthInterceptor(self.options.tokens)] if self.options.tokens else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[*channel_options(self.options.max_message_bytes), *_KEEPALIVE],
+            # Without SO_REUSEPORT a second aggregator on a port in use fails to bind, rather than
+            # sharing it and splitting one job's pushes between two processes.
+            options=[*channel_options(self.options.max_message_bytes), *_KEEPALIVE, ("grpc.so_reuseport", 0)],
             # Past this gRPC answers RESOURCE_EXHAUSTED itself: a flood of calls that never
             # reach a handler (stalled or slow) is bounded too. Watch streams have their own share.
             maximum_concurrent_rpcs=self.limits.max_waiting_calls + self.limits.max_watches + _RESERVED_CALLS,
@@ -180,13 +201,19 @@ class AggregatorServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        if self.options.tls is not None:
-            port = server.add_secure_port(self.options.address, self.options.tls.credentials())
-        else:
-            port = server.add_insecure_port(self.options.address)
-        if port == 0:
-            raise OSError(f"could not bind address={self.options.address!r}; is the port in use?")
-        return server, port
+        host, port = _host_and_port(self.options.address)
+        if port and _port_in_use(host, port):  # before gRPC's own attempt, which logs a line of its own
+            raise BindError("address", self.options.address, "the port is in use (another aggregator?)")
+        try:
+            if self.options.tls is not None:
+                bound = server.add_secure_port(self.options.address, self.options.tls.credentials())
+            else:
+                bound = server.add_insecure_port(self.options.address)
+        except RuntimeError:  # grpc's "Failed to bind to address ..."
+            bound = 0
+        if bound == 0:
+            raise BindError("address", self.options.address, "cannot bind it (in use, or not an address of this host)")
+        return server, bound
 
     def _on_loop(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the server's event loop and wait for its result (from any other thread)."""
@@ -199,13 +226,22 @@ class AggregatorServer:
         self._loop.close()
 
     def start(self) -> None:
-        """Start serving and mark the aggregator healthy."""
+        """Start serving and mark the aggregator healthy.
+
+        Raises:
+            BindError: the metrics port cannot be bound (nothing is served then).
+        """
+        if self.metrics is not None and self.options.metrics_port is not None:
+            host = _host_and_port(self.options.address)[0] or "0.0.0.0"
+            try:
+                self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
+            except OSError as error:
+                self._close_loop()
+                reason = "the port is in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+                raise BindError("metrics_port", f"{host}:{self.options.metrics_port}", reason) from None
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         self._on_loop(self._server.start())
         self._sweeper.start()
-        if self.metrics is not None and self.options.metrics_port is not None:
-            host = self.options.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-            self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
-            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         for service in ("", SERVICE_NAME):
             self._on_loop(self.health.set(service, health_pb2.HealthCheckResponse.SERVING))
         log.info(
@@ -220,12 +256,13 @@ class AggregatorServer:
         self._warn_about_exposure()
 
     def _warn_about_exposure(self) -> None:
-        host = self.options.address.rsplit(":", 1)[0].strip("[]")
+        host = _host_and_port(self.options.address)[0]
         if self.options.tls is None and not _is_loopback(host):
             log.warning(
-                "serving plaintext on %s, which is not a loopback address: gradients and tokens cross the "
+                "serving plaintext on %s:%d, which is not a loopback address: gradients and tokens cross the "
                 "network unencrypted; pass --tls-cert and --tls-key (or bind --host 127.0.0.1)",
-                self.options.address,
+                host or "0.0.0.0",
+                self.port,
             )
         unscoped = self.options.tokens.unscoped() if self.options.tokens else 0
         if unscoped:
@@ -297,6 +334,30 @@ class AggregatorServer:
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, handle)
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    """("0.0.0.0", 50051) from "0.0.0.0:50051" (brackets of an IPv6 host dropped); port 0 if it is no number."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """True when a listening socket holds ``port`` on every address ``host`` resolves to (gRPC needs one)."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False  # gRPC reports the name itself
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no obstacle
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    continue
+            return False
+    return bool(addresses)
 
 
 def _is_loopback(host: str) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gradq.qcore import Scheme
-from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
+from gradq.server.app import AggregatorServer, BindError, ServerOptions, TlsFiles
 from gradq.server.auth import TokenTable
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
@@ -27,6 +27,16 @@ def _flag_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; expected true/false, 1/0, yes/no or on/off")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; expected an integer in 0..65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range; expected a port in 0..65535 (0 picks a free one)")
+    return port
 
 
 def _return_scheme(text: str) -> Scheme | None:
@@ -47,7 +57,7 @@ _HOST, _PORT = _SERVER.address.rsplit(":", 1)
 # (flag, environment variable, type, default, help). Flags win over the environment.
 _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     ("--host", "GRADQ_HOST", str, _HOST, "address to bind"),
-    ("--port", "GRADQ_PORT", int, int(_PORT), "port to bind; 0 picks a free one (see --port-file)"),
+    ("--port", "GRADQ_PORT", _port, int(_PORT), "port to bind; 0 picks a free one (see --port-file)"),
     ("--world-size", "GRADQ_WORLD_SIZE", int, _POLICY.world_size, "ranks per job; 0 lets each job's first Join decide"),
     (
         "--round-timeout",
@@ -208,7 +218,7 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--log-format", "GRADQ_LOG_FORMAT", str, "text", "'text' or 'json' (one JSON object per line, for log shippers)"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
-    ("--metrics-port", "GRADQ_METRICS_PORT", int, None, "serve Prometheus metrics at http://HOST:PORT/metrics"),
+    ("--metrics-port", "GRADQ_METRICS_PORT", _port, None, "serve Prometheus metrics at http://HOST:PORT/metrics"),
     ("--tls-cert", "GRADQ_TLS_CERT", Path, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", "GRADQ_TLS_KEY", Path, None, "PEM private key of --tls-cert"),
     (
@@ -327,10 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_watches=args.max_watches,
         )
         server = AggregatorServer(policy, options, limits)
+        server.stop_on_signals()
+        server.start()
+    except BindError as error:  # not a usage mistake: one line, no usage text
+        flag = "--metrics-port" if error.option == "metrics_port" else "--port"
+        print(f"{parser.prog}: error: {error}; pass another {flag} (0 picks a free one)", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as error:
         parser.error(str(error))
-    server.stop_on_signals()
-    server.start()
     if args.port_file is not None:
         args.port_file.write_text(f"{server.port}\n")
     server.wait()

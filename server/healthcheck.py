@@ -18,12 +18,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gradq.proto.transport import speaks_tls
+
 __all__ = ["is_serving", "main"]
+
+# A probe's deadline: a container health check must answer well within its own timeout.
+_TIMEOUT_S = 2.0
 
 
 def is_serving(
     address: str,
-    timeout_s: float = 2.0,
+    timeout_s: float = _TIMEOUT_S,
     ca: bytes | None = None,
     certificate_chain: bytes | None = None,
     private_key: bytes | None = None,
@@ -36,16 +41,44 @@ def is_serving(
         ca: PEM CA of the aggregator's certificate: check over TLS; None checks plaintext.
         certificate_chain, private_key: PEM client certificate and key, for mutual TLS.
     """
+    return _health(address, timeout_s, ca, certificate_chain, private_key) == health_pb2.HealthCheckResponse.SERVING
+
+
+def _health(
+    address: str, timeout_s: float, ca: bytes | None, certificate_chain: bytes | None, private_key: bytes | None
+) -> int | None:
+    """The status the health service answers, or None when the call failed."""
     if ca is None:
         channel = grpc.insecure_channel(address)
     else:
         channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, private_key, certificate_chain))
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return int(
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+            )
         except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return None
+
+
+def _why_no_answer(address: str, over_tls: bool) -> str:
+    """What a failed check most likely means, in flags to pass; reached only when the call itself failed."""
+    tls = speaks_tls(address)
+    if tls is None:
+        return "nothing accepts connections there: is the aggregator running, on that host and port?"
+    if tls and not over_tls:
+        return (
+            "it answers TLS: the aggregator may be serving TLS; pass --ca PEM (or GRADQ_TLS_CA), the CA that "
+            "signed its certificate, and --cert/--key (GRADQ_TLS_CLIENT_CERT/KEY) under mutual TLS"
+        )
+    if not tls and over_tls:
+        return "it answers plaintext, not TLS: check without --ca (and GRADQ_TLS_CA)"
+    if over_tls:
+        return (
+            "it serves TLS but the check failed: is --ca the CA that signed its certificate, and under mutual TLS "
+            "are --cert and --key given?"
+        )
+    return "it accepts connections but did not answer the gRPC health check"
 
 
 def _path(env: str) -> Path | None:
@@ -92,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         ca, cert, key = (path.read_bytes() if path else None for path in (args.ca, args.cert, args.key))
     except OSError as error:
         parser.error(str(error))
-    serving = is_serving(args.address, ca=ca, certificate_chain=cert, private_key=key)
-    print(f"{args.address}: {'SERVING' if serving else 'not serving'}{' (TLS)' if ca else ''}")
+    status = _health(args.address, _TIMEOUT_S, ca, cert, key)
+    serving = status == health_pb2.HealthCheckResponse.SERVING
+    verdict = "SERVING" if serving else "not serving"
+    why = "" if status is not None else f"; {_why_no_answer(args.address, ca is not None)}"
+    print(f"{args.address}: {verdict}{' (TLS)' if ca else ''}{why}")
     return 0 if serving else 1
 
 

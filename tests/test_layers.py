@@ -19,7 +19,10 @@ CASES = [
     ("gradq.client", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.worker", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.sending", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
-    ("gradq.client.ddp", ("gradq.server", "gradq.client.apps")),
+    ("gradq.client.ddp", ("torch", "gradq.server", "gradq.client.apps")),  # the hook loads torch on first use
+    ("gradq.client.ddp.env", ("torch", "gradq.server", "gradq.client.apps")),
+    # `gradq worker` checks its settings and its aggregator before it pays for torch.
+    ("gradq.client.apps.cluster", ("torch", "gradq.server")),
     ("gradq.cli", ("torch", "grpc", "numpy")),
 ]
 

@@ -8,7 +8,11 @@ the gloo rendezvous. More addresses than ``--world-size`` fail every worker with
 
 Every flag can also be set by a GRADQ_* environment variable, so a Compose
 override adds settings (``environment`` merges key by key) without repeating
-the command (``command`` is replaced whole).
+the command (``command`` is replaced whole). The variables the DDP hook reads
+too are read by gradq.client.ddp.env, as ``GradqHookState.from_env()`` reads
+them: one parser, one default, one error message each. Before it loads torch
+a worker checks its settings, then waits up to ``--connect-timeout`` for its
+aggregator's health check; either failing is one line and exit status 2.
 
 A worker leaves on SIGTERM at once, even from inside a blocking collective,
 with its verdict's exit status when it has one (``docker compose up
@@ -26,13 +30,24 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.ddp.env import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    HOOK_PARSERS,
+    HOST_GROUPINGS,
+    flag_type,
+    parse_integer,
+    parse_number,
+    quantized_scheme_names,
+    read_variable,
+)
 from gradq.client.security import ChannelSecurity
-from gradq.qcore import QuantConfig, Scheme
+from gradq.client.sending import AggregationError
+from gradq.qcore import QuantConfig
 
 if TYPE_CHECKING:
     from gradq.client.apps.training import TrainResult
@@ -142,60 +157,87 @@ def exit_on_sigterm(status: Callable[[], int]) -> None:
     threading.Thread(target=watch, name="gradq-sigterm", daemon=True).start()
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return default
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, but not None: those options say in words what being unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables."""
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables.
+
+    The variables are read by gradq.client.ddp.env, the reader behind
+    ``GradqHookState.from_env()``: the same names, parsing, errors and defaults.
+
+    Args:
+        environ: the variables (None: ``os.environ``).
+
+    Raises:
+        ValueError: a variable holds a bad value; the message names it, its value and what was expected.
+    """
     parser = argparse.ArgumentParser(
         prog="gradq worker",
         description="Train the digits MLP as one DDP rank through a gradq aggregator (one process per host). "
         "Every flag can also be set by the environment variable shown; flags win.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
-    def option(flag: str, env: str, help_text: str, default: str | None = None, kind: Any = str) -> None:
-        # argparse converts a string default with ``type``, so the environment's text is checked like a flag's.
-        parser.add_argument(flag, type=kind, default=os.environ.get(env) or default, help=f"{help_text} [env {env}]")
+    def option(
+        flag: str, env: str, help_text: str, default: Any = None, parse: Callable[[str], Any] | None = None
+    ) -> None:
+        parse = parse or HOOK_PARSERS[env]
+        value = read_variable(environ, env, parse)
+        parser.add_argument(
+            flag, type=flag_type(parse), default=default if value is None else value, help=f"{help_text} [env {env}]"
+        )
 
+    read_variable(environ, "GRADQ_AGGREGATORS")  # checked now; read again where a flag may replace it
     parser.add_argument(
         "--aggregator",
         action="append",
         help="host:port of a shard (repeatable) [env GRADQ_AGGREGATORS: comma-separated, in shard order]",
     )
-    option("--world-size", "GRADQ_WORLD_SIZE", "ranks in the job", kind=int)
-    option("--peers", "GRADQ_PEERS", "DNS name resolving to every worker's address", "worker")
-    option("--master-port", "GRADQ_MASTER_PORT", "gloo rendezvous port on rank 0", "29500", int)
-    option("--peer-timeout", "GRADQ_PEER_TIMEOUT", "seconds to wait for all peers", "60", float)
-    option("--peer-settle", "GRADQ_PEER_SETTLE", "seconds the peer addresses must stay unchanged", "3", float)
-    option("--bits", "GRADQ_BITS", "bits per gradient element, 1..8", "4", int)
-    option("--scheme", "GRADQ_SCHEME", "quantization scheme", "per_channel_affine")
+    option("--world-size", "GRADQ_WORLD_SIZE", "ranks in the job (required)", parse=parse_integer(1))
+    option("--peers", "GRADQ_PEERS", "DNS name resolving to every worker's address", "worker", str)
+    option("--master-port", "GRADQ_MASTER_PORT", "gloo rendezvous port on rank 0", 29500, parse_integer(1, 65535))
+    option("--peer-timeout", "GRADQ_PEER_TIMEOUT", "seconds to wait for all peers", 60.0, parse_number(0, above=True))
+    option("--peer-settle", "GRADQ_PEER_SETTLE", "seconds the peer addresses must stay unchanged", 3.0, parse_number(0))
+    option(
+        "--connect-timeout",
+        "GRADQ_CONNECT_TIMEOUT",
+        "seconds to wait for each aggregator shard to answer, before training and at the first Join",
+        DEFAULT_CONNECT_TIMEOUT_S,
+    )
+    option("--bits", "GRADQ_BITS", "bits per gradient element, 1..8", QuantConfig().bits)
+    option(
+        "--scheme",
+        "GRADQ_SCHEME",
+        f"quantization scheme: {', '.join(quantized_scheme_names())}",
+        QuantConfig().scheme.name.lower(),
+    )
     parser.add_argument(
         "--error-feedback",
         action=argparse.BooleanOptionalAction,
-        default=_env_flag("GRADQ_ERROR_FEEDBACK", True),
-        help="carry quantization error into the next step [env GRADQ_ERROR_FEEDBACK]",
+        default=read_variable(environ, "GRADQ_ERROR_FEEDBACK"),
+        help="carry quantization error into the next step (unset: off, as in GradqHookState) "
+        "[env GRADQ_ERROR_FEEDBACK]",
     )
+    option("--chunk-elements", "GRADQ_CHUNK_ELEMENTS", "largest round a bucket is cut into", DEFAULT_CHUNK_ELEMENTS)
+    option("--host", "GRADQ_HOST", "this rank's host name: ranks with the same one reduce together first")
     option(
-        "--chunk-elements",
-        "GRADQ_CHUNK_ELEMENTS",
-        "largest round a bucket is cut into",
-        str(DEFAULT_CHUNK_ELEMENTS),
-        int,
+        "--host-grouping",
+        "GRADQ_HOST_GROUPING",
+        f"{' or '.join(HOST_GROUPINGS)}: two-level where hosts hold several ranks, or every rank pushes alone",
+        "auto",
     )
-    option("--epochs", "GRADQ_EPOCHS", "passes over the training split", "20", int)
-    option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", "90", float)
-    option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks", "compose-digits")
-    option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS", kind=Path)
-    option("--tls-cert", "GRADQ_TLS_CLIENT_CERT", "this worker's PEM certificate, for mutual TLS", kind=Path)
-    option("--tls-key", "GRADQ_TLS_CLIENT_KEY", "its PEM key", kind=Path)
-    option("--token-file", "GRADQ_TOKEN_FILE", "file holding the bearer token to send", kind=Path)
+    option("--epochs", "GRADQ_EPOCHS", "passes over the training split", 20, parse_integer(1))
+    option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
+    option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks (unset: rank 0 draws one per run)")
+    option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS")
+    option("--tls-cert", "GRADQ_TLS_CLIENT_CERT", "this worker's PEM certificate, for mutual TLS")
+    option("--tls-key", "GRADQ_TLS_CLIENT_KEY", "its PEM key")
+    option("--token-file", "GRADQ_TOKEN_FILE", "file holding the bearer token to send")
     return parser
 
 
@@ -216,16 +258,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train_one_rank(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as error:  # a bad GRADQ_* variable
+        print(f"gradq worker: error: {error}", file=sys.stderr, flush=True)
+        return 2
     args = parser.parse_args(argv)
-    listed = os.environ.get("GRADQ_AGGREGATORS", "")
-    aggregators = args.aggregator or [address.strip() for address in listed.split(",") if address.strip()]
+    aggregators = args.aggregator or read_variable(None, "GRADQ_AGGREGATORS")
     if not aggregators:
         parser.error("no aggregator: give --aggregator host:port (repeatable) or GRADQ_AGGREGATORS=host:port,...")
-    if args.world_size is None or args.world_size < 1:
-        parser.error(f"--world-size={args.world_size} is invalid; expected >= 1 (or set GRADQ_WORLD_SIZE)")
+    if args.world_size is None:
+        parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
     try:
-        config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
+        config = QuantConfig(scheme=args.scheme, bits=args.bits)
         token = args.token_file.read_text().strip() if args.token_file else None
         security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
     except (ValueError, OSError) as error:
@@ -248,10 +293,21 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
     except RuntimeError as error:
         parser.error(str(error))
     print(
-        f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; "
-        f"aggregator {', '.join(aggregators)}; loading torch",
+        f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; waiting up to "
+        f"{args.connect_timeout:g} s for the aggregator at {', '.join(aggregators)} (--connect-timeout)",
         flush=True,
     )
+    try:
+        wait_for_aggregators(aggregators, args.connect_timeout, security)
+    except AggregationError as error:
+        print(
+            f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS), or wait longer with "
+            "--connect-timeout (GRADQ_CONNECT_TIMEOUT)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    print(f"rank {rank}: aggregator {', '.join(aggregators)} serving; loading torch", flush=True)
     loading = time.monotonic()
     # Imported only now (torch takes seconds): a misconfigured cluster fails on every worker at once.
     from gradq.client.apps.training import TrainSpec, train_digits
@@ -290,9 +346,11 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         error_feedback=args.error_feedback,
         epochs=args.epochs,
         job_id=args.job_id,
-        connect_timeout_s=60.0,
+        connect_timeout_s=args.connect_timeout,
         security=security,
         chunk_elements=args.chunk_elements,
+        host=args.host,
+        host_grouping=args.host_grouping,
         on_epoch=report_epoch,
         on_trained=report_result,
     )

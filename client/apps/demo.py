@@ -5,13 +5,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch.multiprocessing as mp
 
+from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.apps.training import TrainResult, TrainSpec, train_digits
-from gradq.qcore import QuantConfig, Scheme
+from gradq.client.ddp.env import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    flag_type,
+    parse_integer,
+    parse_number,
+    parse_scheme,
+    quantized_scheme_names,
+)
+from gradq.client.sending import AggregationError
+from gradq.qcore import QuantConfig
+from gradq.qcore.codecs import codec_for
 from gradq.server.process import free_port, spawn_aggregator
 
 __all__ = ["main", "run_job", "local_aggregator", "free_port"]
@@ -61,11 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--workers", type=int, default=2, help="DDP ranks (processes)")
-    parser.add_argument("--bits", type=int, default=4, help="bits per gradient element, 1..8")
+    parser.add_argument("--bits", type=flag_type(parse_integer(1, 8)), default=4, help="bits per gradient element")
     parser.add_argument(
         "--scheme",
+        type=flag_type(parse_scheme),
         default="per_channel_affine",
-        help="per_channel_affine, per_channel_symmetric, per_tensor_affine or per_tensor_symmetric",
+        help=f"quantization scheme: {', '.join(quantized_scheme_names())}",
     )
     parser.add_argument(
         "--error-feedback",
@@ -92,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="use this running aggregator (host:port; repeat for shards) instead of a local one",
     )
+    parser.add_argument(
+        "--connect-timeout",
+        type=flag_type(parse_number(0, above=True)),
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="seconds to wait for each --aggregator to answer, before training and at the first Join",
+    )
     return parser
 
 
@@ -104,21 +123,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.epochs < 1:
         parser.error(f"--epochs={args.epochs} is invalid; expected >= 1")
     try:
-        config = QuantConfig(scheme=Scheme.parse(args.scheme), bits=args.bits)
+        config = QuantConfig(scheme=args.scheme, bits=args.bits)
     except ValueError as error:
         parser.error(str(error))
-    if not config.scheme.is_quantized:
-        parser.error(f"--scheme={args.scheme} is not a quantized scheme")
-    label = f"gradq {config.bits}-bit {config.scheme.name.lower()}{' + EF' if args.error_feedback else ''}"
+    codec = codec_for(config.scheme)
+    label = f"gradq {codec.wire_bits(config)}-bit {codec.name}{' + EF' if args.error_feedback else ''}"
     base = TrainSpec(
         world_size=args.workers,
         init_method="",
         config=config,
         error_feedback=args.error_feedback,
+        connect_timeout_s=args.connect_timeout,
         epochs=args.epochs,
         progress=True,
     )
     print(f"gradq demo: {args.workers} workers, MLP 64-128-128-10 on scikit-learn digits, {args.epochs} epochs")
+    if args.aggregator:
+        print(f"waiting up to {args.connect_timeout:g} s for the aggregator at {', '.join(args.aggregator)}")
+        try:
+            wait_for_aggregators(args.aggregator, args.connect_timeout)
+        except AggregationError as error:
+            print(
+                f"gradq demo: error: {error}; check --aggregator, or wait longer with --connect-timeout",
+                file=sys.stderr,
+            )
+            return 2
     with contextlib.ExitStack() as stack:
         addresses = args.aggregator or [stack.enter_context(local_aggregator(args.workers))]
         print(f"{label} via aggregator {', '.join(addresses)}")

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
-from gradq.client.ddp.env import hook_arguments_from_env
+from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOST_GROUPINGS, hook_arguments_from_env
 from gradq.client.ddp.errors import BackwardFailures
-from gradq.client.ddp.host_groups import HOST_GROUPINGS, HostGroup, find_host_group, push_through_host
+from gradq.client.ddp.host_groups import HostGroup, find_host_group, push_through_host
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.ddp.residuals import ParameterResiduals
@@ -138,7 +138,7 @@ class GradqHookState:
         fallback: str = "error",
         job_id: str | None = None,
         timeout_s: float = 120.0,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         process_group: dist.ProcessGroup | None = None,
         security: ChannelSecurity | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,

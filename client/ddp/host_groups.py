@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradq.client.ddp.env import HOST_GROUPINGS
 from gradq.client.ddp.placement import on_callers_stream, quantizes_on_device
 from gradq.client.ddp.residuals import Segment
 from gradq.client.sending import AggregationError
@@ -50,8 +51,6 @@ __all__ = ["HOST_GROUPINGS", "HostGroup", "find_host_group", "host_key", "piece_
 
 log = logging.getLogger(__name__)
 
-# "auto": hosts from the launcher's variables (flat where it sets none); "flat": every rank its own host.
-HOST_GROUPINGS = ("auto", "flat")
 
 # The variables launchers set that name a rank's host, checked in this order: torchrun's
 # node rank, then Lightning's and Ray Train's.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -169,3 +170,80 @@ def test_serve_with_tls_and_tokens_from_flags(tmp_path: Path, processes: list[su
     security = ChannelSecurity(root_certificates=ca.certificate, token="a-token-of-16-chars")
     with WorkerClient(f"localhost:{port}", "tls", 0, 1, QuantConfig(scheme=Scheme.FLOAT32), security=security) as c:
         np.testing.assert_array_equal(c.push_pull(0, 0, np.arange(5, dtype=np.float32)), np.arange(5))
+
+
+def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradq.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--port", "-1"], {}, "argument --port: -1 is out of range; expected a port in 0..65535"),
+        (["--port", "99999"], {}, "argument --port: 99999 is out of range; expected a port in 0..65535"),
+        (["--port", "http"], {}, "argument --port: 'http' is not a port; expected an integer in 0..65535"),
+        (
+            ["--metrics-port", "65536"],
+            {},
+            "argument --metrics-port: 65536 is out of range; expected a port in 0..65535",
+        ),
+        ([], {"GRADQ_PORT": "-1"}, "GRADQ_PORT='-1' is invalid: -1 is out of range; expected a port in 0..65535"),
+        ([], {"GRADQ_METRICS_PORT": "99999"}, "GRADQ_METRICS_PORT='99999' is invalid: 99999 is out of range"),
+    ],
+)
+def test_a_port_out_of_range_is_refused_naming_flag_value_and_range(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
+    completed = run_serve("--host", "127.0.0.1", *args, env=env)
+    assert completed.returncode == 2
+    assert message in completed.stderr.splitlines()[-1]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port some other program listens on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield int(holder.getsockname()[1])
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_busy_port_is_one_line_and_exit_2(busy_port: int, flag: str) -> None:
+    args = ["--port", str(busy_port)] if flag == "--port" else ["--port", "0", "--metrics-port", str(busy_port)]
+    completed = run_serve("--host", "127.0.0.1", *args)
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        f"gradq serve: error: cannot listen on 127.0.0.1:{busy_port}: the port is in use"
+        f"{' (another aggregator?)' if flag == '--port' else ''}; pass another {flag} (0 picks a free one)"
+    ]
+
+
+def test_a_second_aggregator_on_the_same_port_is_refused(
+    tmp_path: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    # gRPC's SO_REUSEPORT would let both serve and split one job's pushes between them.
+    process, port = start_serve(tmp_path)
+    processes.append(process)
+    completed = run_serve("--host", "127.0.0.1", "--port", str(port))
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        f"gradq serve: error: cannot listen on 127.0.0.1:{port}: the port is in use (another aggregator?); "
+        "pass another --port (0 picks a free one)"
+    ]
+
+
+def test_the_plaintext_warning_names_the_bound_port(tmp_path: Path, processes: list[subprocess.Popen[str]]) -> None:
+    process, port = start_serve(tmp_path, "--host", "0.0.0.0")  # the last --host wins: --port 0 on every address
+    processes.append(process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
+    log = process.stderr.read() if process.stderr else ""
+    assert f"serving plaintext on 0.0.0.0:{port}, which is not a loopback address" in log
+    assert ":0," not in log
