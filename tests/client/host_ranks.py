@@ -122,3 +122,73 @@ def checkpoints_of(runs: list[RankRun], config: QuantConfig) -> tuple[dict[str, 
         "seed": config.seed,
     }
     return tuple({"step": run.step, "config": grid, "error_feedback": True, "residuals": run.residuals} for run in runs)
+
+
+def train_with_ddp_options(
+    rank: int, job: HostJob, batches: tuple[int, ...], static_graph: bool, queue: mp.SimpleQueue
+) -> None:
+    """A small MLP through the hook with DDP's options: ``Join`` for uneven ``batches``, else ``static_graph``.
+
+    Under Join, every other batch accumulates locally (``no_sync``); the rank
+    with fewer batches shadows the others' reductions once it runs out.
+    """
+    import contextlib
+
+    from torch import nn
+    from torch.distributed.algorithms.join import Join
+
+    host = job.hosts[rank]
+    os.environ.update(GROUP_RANK=str(host))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=job.init_method, rank=rank, world_size=len(job.hosts))
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2)), static_graph=static_graph
+        )
+        state = GradqHookState(job.aggregator, job.config, error_feedback=job.error_feedback, job_id=job.job_id)
+        model.register_comm_hook(state, gradq_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        uneven = len(set(batches)) > 1
+        with Join([model]) if uneven else contextlib.nullcontext():
+            for batch in range(batches[rank]):
+                inputs = torch.randn(4, 8, generator=generator)
+                if uneven and batch % 2 == 0:
+                    with model.no_sync():
+                        model(inputs).square().sum().backward()
+                    continue
+                model(inputs).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+        group = state.host_group
+        assert group is not None
+        queue.put(
+            RankRun(
+                rank,
+                [parameters],
+                (group.host, group.hosts, group.local_rank, group.local_size, group.pieces),
+                0,
+                {},
+                state.step,
+            )
+        )
+        state.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # see ddp_probe.reduced_gradients
+
+
+def run_with_ddp_options(job: HostJob, batches: tuple[int, ...], static_graph: bool = False) -> list[RankRun]:
+    """Spawn ``train_with_ddp_options`` on the job's ranks; their runs in rank order."""
+    queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(
+        train_with_ddp_options, args=(job, batches, static_graph, queue), nprocs=len(job.hosts), join=False
+    )
+    ranks.join(timeout=120)
+    runs = []
+    while not queue.empty():
+        runs.append(queue.get())
+    return sorted(runs, key=lambda run: run.rank)

@@ -125,3 +125,22 @@ def test_error_feedback_residuals_per_slice_survive_a_checkpoint(aggregator: Agg
     for rank in range(4):
         np.testing.assert_array_equal(resumed[rank].reduced[0], continuous[rank].reduced[3])
     assert not np.array_equal(fresh[0].reduced[0], continuous[0].reduced[3])
+
+
+def test_join_with_uneven_inputs_and_no_sync_in_two_level(aggregator: AggregatorServer) -> None:
+    runs = host_ranks.run_with_ddp_options(
+        job(aggregator, (0, 0, 1, 1), "uneven-join", error_feedback=True), (6, 6, 6, 3)
+    )
+    assert len(runs) == 4 and all(run.host[4] == 2 for run in runs)
+    assert [run.step for run in runs] == [3, 3, 3, 3]  # rank 3 shadowed the last two reductions
+    for run in runs:
+        np.testing.assert_array_equal(run.reduced[0], runs[0].reduced[0])
+
+
+def test_static_graph_in_two_level(aggregator: AggregatorServer) -> None:
+    runs = host_ranks.run_with_ddp_options(
+        job(aggregator, (0, 0, 1, 1), "static-graph"), (4, 4, 4, 4), static_graph=True
+    )
+    assert [run.step for run in runs] == [4, 4, 4, 4]
+    for run in runs:
+        np.testing.assert_array_equal(run.reduced[0], runs[0].reduced[0])
