@@ -210,7 +210,7 @@ class MetricsHttpServer:
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes] | list[bytes]:
         if environ.get("PATH_INFO") not in ("/status", "/status/"):
-            return self._metrics(environ, start_response)  # type: ignore[no-any-return]
+            return self._metrics(environ, start_response)
         body = render_status(self._snapshot()).encode()
         headers = [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))]
         start_response("200 OK", headers + _SECURITY_HEADERS)
