@@ -20,7 +20,7 @@ def _missing(what: str, install: str) -> NoReturn:
     message = f"{what} is missing; {install}"
     if os.environ.get("CI") == "true":
         pytest.fail(f"under CI=true: {message}")
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)  # callable at import time as well as inside a test
 
 
 def require_module(name: str, extra: str) -> ModuleType:
