@@ -28,8 +28,11 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.liveness import Liveness
 from gradq.server.metrics import RoundMetrics
 from gradq.server.policy import RoundPolicy
+from gradq.server.reports import RoundObservers
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
+from gradq.server.status import RecentErrors, StatusSnapshot, take_snapshot
+from gradq.server.status_page import MetricsHttpServer
 from gradq.server.waiting import WaitingCalls
 
 __all__ = [
@@ -120,8 +123,8 @@ class ServerOptions:
         grace_s: on stop, rounds in flight get this long to finish.
         tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.
         tokens: require a bearer token on every call but health and reflection.
-        metrics_port: serve Prometheus metrics over HTTP on this port (0 picks
-            one; None serves none).
+        metrics_port: serve Prometheus metrics (/metrics) and the status page
+            (/status) over HTTP on this port (0 picks one; None serves none).
         exit_after_jobs: stop by itself once this many jobs have finished (every
             rank of each has left); 0 serves until stopped.
     """
@@ -150,13 +153,16 @@ class AggregatorServer:
         self.options = options
         self.limits = limits or ServiceLimits()
         self.metrics = RoundMetrics(max_jobs=self.limits.max_jobs) if options.metrics_port is not None else None
+        self.recent_errors = RecentErrors()  # the status page's list of failed rounds
         self.metrics_port: int | None = None
+        self._metrics_http: MetricsHttpServer | None = None
+        self._started_at = time.time()
         self._jobs_finished = 0
         self._jobs_finished_lock = threading.Lock()  # not _stop_lock: a stop holds that while Leaves finish
         self.table = RoundTable(
             policy,
             package=package_result,
-            observer=self.metrics,
+            observer=RoundObservers(self.metrics, self.recent_errors) if self.metrics is not None else None,
             limits=self.limits,
             job_finished=self._count_finished_job,
         )
@@ -234,12 +240,15 @@ class AggregatorServer:
         if self.metrics is not None and self.options.metrics_port is not None:
             host = _host_and_port(self.options.address)[0] or "0.0.0.0"
             try:
-                self.metrics_port = self.metrics.serve(self.options.metrics_port, host)
+                self._metrics_http = MetricsHttpServer(
+                    self.options.metrics_port, host, self.metrics.registry, self.status_snapshot
+                )
             except OSError as error:
                 self._close_loop()
                 reason = "the port is in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
                 raise BindError("metrics_port", f"{host}:{self.options.metrics_port}", reason) from None
-            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+            self.metrics_port = self._metrics_http.port
+            log.info("metrics on http://%s:%d/metrics, status page on /status", host, self.metrics_port)
         self._on_loop(self._server.start())
         self._sweeper.start()
         for service in ("", SERVICE_NAME):
@@ -254,6 +263,11 @@ class AggregatorServer:
             self.policy.round_timeout_s,
         )
         self._warn_about_exposure()
+
+    def status_snapshot(self) -> StatusSnapshot:
+        """What /status shows now (requires ``metrics_port``)."""
+        assert self.metrics is not None, "the status page needs the metrics (ServerOptions.metrics_port)"
+        return take_snapshot(self.table, self.metrics, self.recent_errors, self.servicer.server_id, self._started_at)
 
     def _warn_about_exposure(self) -> None:
         host = _host_and_port(self.options.address)[0]
@@ -307,6 +321,8 @@ class AggregatorServer:
             log.warning("%d round(s) still incomplete after the grace period were failed with UNAVAILABLE", left)
         self._on_loop(self._server.stop(_ANSWER_GRACE_S))
         self._close_loop()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
         self._stopped.set()
         log.info("stopped")
 

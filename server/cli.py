@@ -218,7 +218,13 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     ("--log-level", "GRADQ_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
     ("--log-format", "GRADQ_LOG_FORMAT", str, "text", "'text' or 'json' (one JSON object per line, for log shippers)"),
     ("--port-file", "GRADQ_PORT_FILE", Path, None, "write the bound port to this file once serving"),
-    ("--metrics-port", "GRADQ_METRICS_PORT", _port, None, "serve Prometheus metrics at http://HOST:PORT/metrics"),
+    (
+        "--metrics-port",
+        "GRADQ_METRICS_PORT",
+        _port,
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics and a status page at /status",
+    ),
     ("--tls-cert", "GRADQ_TLS_CERT", Path, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", "GRADQ_TLS_KEY", Path, None, "PEM private key of --tls-cert"),
     (

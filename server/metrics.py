@@ -9,18 +9,29 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gradq.proto.convert import DTYPE_BYTES
 from gradq.server.reports import RoundReport
 
-__all__ = ["RoundMetrics"]
+__all__ = ["JobTotals", "RoundMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Jobs whose series are kept (the server passes --max-jobs); the one that finished a round longest ago goes first.
 DEFAULT_MAX_JOB_SERIES = 1024
+
+
+@dataclass(slots=True)
+class JobTotals:
+    """One job id's counts as /metrics shows them (every run of the id since the aggregator started)."""
+
+    rounds: dict[str, int]  # outcome (completed, partial, skipped, failed) -> rounds, over every reason
+    received_bytes: int = 0
+    sent_bytes: int = 0
+    compression_ratio: float | None = None  # of the last round; None before one with bytes
 
 
 class RoundMetrics:
@@ -139,7 +150,26 @@ class RoundMetrics:
             series(self.slowest_rank, job).set(report.slowest_rank)
             series(self.slowest_rank_rounds, job, str(report.slowest_rank)).inc()
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> int:
-        """Expose /metrics over HTTP on ``port`` (0 picks one); returns the bound port."""
-        server, _ = start_http_server(port, address, registry=self.registry)
-        return int(server.server_port)
+    def totals(self) -> dict[str, JobTotals]:
+        """Job id -> its counts, read from the series themselves, so the status page and /metrics agree."""
+        totals: dict[str, JobTotals] = {}
+
+        def job(labels: dict[str, str]) -> JobTotals:
+            return totals.setdefault(labels["job"], JobTotals(rounds={}))
+
+        # One pass over each series' samples: no lock of ours is needed, each metric guards its own values.
+        for sample in _samples(self.rounds, "gradq_rounds_total"):
+            rounds = job(sample.labels).rounds
+            rounds[sample.labels["outcome"]] = rounds.get(sample.labels["outcome"], 0) + int(sample.value)
+        for sample in _samples(self.received_bytes, "gradq_received_bytes_total"):
+            job(sample.labels).received_bytes = int(sample.value)
+        for sample in _samples(self.sent_bytes, "gradq_sent_bytes_total"):
+            job(sample.labels).sent_bytes = int(sample.value)
+        for sample in _samples(self.compression_ratio, "gradq_compression_ratio"):
+            job(sample.labels).compression_ratio = sample.value
+        return totals
+
+
+def _samples(metric: Any, name: str) -> list[Any]:
+    """The samples called ``name`` of one metric (a counter also has ``*_created`` samples)."""
+    return [sample for family in metric.collect() for sample in family.samples if sample.name == name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["RoundReport", "RoundObserver"]
+__all__ = ["RoundReport", "RoundObserver", "RoundObservers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class RoundReport:
         relative_error: ||mean sent - fp32 mean|| / ||fp32 mean|| (None if not computed).
         dtype: the element type the ranks pushed (their buckets' own), the
             baseline of the compression ratio.
+        error: what every waiter of a failed round was told ("" otherwise).
     """
 
     job_id: str
@@ -42,6 +43,7 @@ class RoundReport:
     slowest_rank: int
     relative_error: float | None
     dtype: str = "float32"
+    error: str = ""
 
 
 class RoundObserver(Protocol):
@@ -49,3 +51,15 @@ class RoundObserver(Protocol):
 
     def round_finished(self, report: RoundReport) -> None:
         """Record ``report``."""
+
+
+class RoundObservers:
+    """Tells each of several observers (metrics, the status page's error list) about every round, in order."""
+
+    def __init__(self, *observers: RoundObserver) -> None:
+        self._observers = observers
+
+    def round_finished(self, report: RoundReport) -> None:
+        """Hand ``report`` to every observer."""
+        for observer in self._observers:
+            observer.round_finished(report)

@@ -55,4 +55,5 @@ def round_report(job_id: str, rnd: Round, outcome: str, reason: str) -> RoundRep
         slowest_rank=arrivals[-1][0] if arrivals else -1,
         relative_error=rnd.relative_error,
         dtype=rnd.pushed.dtype,
+        error=str(rnd.error) if rnd.error is not None else "",
     )

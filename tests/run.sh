@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: installs gradq with its pinned test environment into .venv,
+# The test command: installs gradq with its pinned test environment (the integrations' extras too) into .venv,
 # then runs lint (ruff), types (mypy), the generated-code drift check and pytest.
 # Extra arguments go to pytest, e.g. `bash tests/run.sh tests/qcore -x`.
 set -euo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch,demo]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch,demo,accelerate,transformers]'
 
 echo "== ruff"
 .venv/bin/ruff check .

@@ -1,4 +1,4 @@
-"""Imports point one way: qcore <- server, qcore <- client <- its DDP adapter <- applications (fresh interpreters)."""
+"""Imports point one way: qcore <- server, qcore <- client <- DDP adapter <- apps, integrations (fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ CASES = [
     ("gradq.client", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.worker", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.sending", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
-    ("gradq.client.ddp", ("torch", "gradq.server", "gradq.client.apps")),  # the hook loads torch on first use
+    # the hook loads torch on first use
+    ("gradq.client.ddp", ("torch", "gradq.server", "gradq.client.apps", "gradq.client.integrations")),
     ("gradq.client.ddp.env", ("torch", "gradq.server", "gradq.client.apps")),
     # `gradq worker` checks its settings and its aggregator before it pays for torch.
     ("gradq.client.apps.cluster", ("torch", "gradq.server")),
+    ("gradq.client.integrations.accelerate", ("gradq.server", "accelerate", "transformers")),
+    ("gradq.client.integrations.transformers", ("gradq.server",)),
     ("gradq.cli", ("torch", "grpc", "numpy")),
 ]
 

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dependencies import require_module
 
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
 
-pytest.importorskip("lightning")
+require_module("lightning", "dev")  # under CI a missing lightning fails, not skips
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 STEPS = 10
