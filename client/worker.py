@@ -411,7 +411,8 @@ class WorkerClient:
 def _watch_ended(address: str, call: Any) -> None:
     """A Watch that ended other than by ``close``: the aggregator went away, or it cannot watch this rank."""
     code = call.code()
-    if code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+    # OK: the aggregator stopped; CANCELLED: we closed; UNAVAILABLE: it went away (pushes retry).
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
         log.warning(
             "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
             address,

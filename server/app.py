@@ -313,6 +313,7 @@ class AggregatorServer:
         # Keep accepting pushes for rounds already started so they can complete;
         # the table refuses new jobs and rounds from here on.
         self.table.close()
+        self._on_loop(self.servicer.end_watches())
         deadline = time.monotonic() + self.options.grace_s
         while self.table.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)

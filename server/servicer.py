@@ -89,6 +89,8 @@ class AggregatorServicer:
         self.table = table
         self.waiting = waiting
         self.liveness = liveness
+        # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace.
+        self._stopping = asyncio.Event()
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
 
@@ -177,10 +179,14 @@ class AggregatorServicer:
         watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
         try:
             yield serde.watch_event_to_bytes(len(watch.job.joined))
-            await asyncio.Event().wait()  # until gRPC cancels the call: the client went, or the server stops
+            await self._stopping.wait()  # or until gRPC cancels the call: the client went
         finally:
             # Not awaited: the call is being cancelled. Closing rounds takes their locks, so off the loop.
             asyncio.get_running_loop().run_in_executor(None, self.liveness.close, watch)
+
+    async def end_watches(self) -> None:
+        """End every Watch stream (the server is stopping: no rank is lost by it)."""
+        self._stopping.set()
 
     async def Leave(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.leave_from_bytes, raw.take())
