@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,11 @@ from torch import nn
 
 from gradq.client.ddp import GradqHookState
 from gradq.client.integrations.registration import GradqIntegrationError
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
+from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
 SCRIPT = Path(__file__).with_name("accelerate_train.py")
 STEPS = 8
-
-
-@pytest.fixture
-def aggregator() -> Iterator[AggregatorServer]:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=60.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_accelerate_launch_trains_through_gradq(aggregator: AggregatorServer, tmp_path: Path) -> None:

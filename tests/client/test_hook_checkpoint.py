@@ -4,38 +4,16 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig, Scheme
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
-from gradq.server.process import free_port
+from gradq.qcore import QuantConfig
 
 CONFIG = QuantConfig(bits=2, channel_size=16)  # coarse: every residual is far from zero
-
-
-@pytest.fixture(scope="module")
-def aggregator() -> Iterator[str]:
-    # A float32 return makes the mean exact, so the residual a step used can be read off it.
-    policy = RoundPolicy(round_timeout_s=30.0, return_scheme=Scheme.FLOAT32)
-    server = AggregatorServer(policy, ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop()
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def model_with(state: GradqHookState) -> DistributedDataParallel:
@@ -67,8 +45,10 @@ def residuals_of(state: GradqHookState, model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
-def test_a_resumed_state_puts_each_checkpointed_residual_back_on_its_parameter(aggregator: str, group: None) -> None:
-    original = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ckpt-original")
+def test_a_resumed_state_puts_each_checkpointed_residual_back_on_its_parameter(
+    exact_aggregator: str, group: None
+) -> None:
+    original = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ckpt-original")
     model = model_with(original)
     for step in range(3):  # the checkpoint is taken in DDP's rebuilt layout (gradient-ready order)
         gradients(model, step)
@@ -92,7 +72,7 @@ def test_a_resumed_state_puts_each_checkpointed_residual_back_on_its_parameter(a
     saved = residuals_of(original, model.module)
     assert all(residual.abs().max() > 0 for residual in saved)
 
-    resumed_state = GradqHookState(aggregator, job_id="ckpt-resumed")
+    resumed_state = GradqHookState(exact_aggregator, job_id="ckpt-resumed")
     resumed_state.load_state_dict(checkpoint)
     assert resumed_state.config == CONFIG and resumed_state.error_feedback and resumed_state.step == 3
     resumed = model_with(resumed_state)
@@ -108,8 +88,8 @@ def test_a_resumed_state_puts_each_checkpointed_residual_back_on_its_parameter(a
     original.close()
 
 
-def test_load_state_dict_refuses_a_started_state_and_bad_checkpoints(aggregator: str, group: None) -> None:
-    state = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ckpt-late")
+def test_load_state_dict_refuses_a_started_state_and_bad_checkpoints(exact_aggregator: str, group: None) -> None:
+    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ckpt-late")
     checkpoint = state.state_dict()
     with pytest.raises(ValueError, match="state_dict lacks residuals"):
         state.load_state_dict({key: value for key, value in checkpoint.items() if key != "residuals"})

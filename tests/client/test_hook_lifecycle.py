@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,13 +39,6 @@ def aggregator() -> Iterator[AggregatorServer]:
     server.start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def ddp_model() -> DistributedDataParallel:

@@ -8,37 +8,15 @@ parameter's gradient can be read off as ``mean - g + e_new``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.qcore import QuantConfig, Scheme
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
-from gradq.server.process import free_port
+from gradq.qcore import QuantConfig
 
 CONFIG = QuantConfig(bits=2, channel_size=16)  # coarse: every residual is far from zero
-
-
-@pytest.fixture(scope="module")
-def aggregator() -> Iterator[str]:
-    policy = RoundPolicy(round_timeout_s=30.0, return_scheme=Scheme.FLOAT32)
-    server = AggregatorServer(policy, ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop()
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def square_stack() -> nn.Module:
@@ -65,11 +43,11 @@ def residuals_by_parameter(state: GradqHookState, shapes: list[torch.Size]) -> l
 
 
 def test_a_rebuilt_bucket_of_same_shaped_parameters_carries_each_residual_with_its_parameter(
-    aggregator: str, group: None
+    exact_aggregator: str, group: None
 ) -> None:
     plain = square_stack()
     model = DistributedDataParallel(copy.deepcopy(plain))
-    state = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ef-rebuild")
+    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ef-rebuild")
     model.register_comm_hook(state, gradq_hook)
     shapes = [p.shape for p in plain.parameters()]
 
@@ -85,14 +63,14 @@ def test_a_rebuilt_bucket_of_same_shaped_parameters_carries_each_residual_with_i
     state.close()
 
 
-def test_after_the_rebuild_only_the_new_layouts_residuals_are_held(aggregator: str, group: None) -> None:
+def test_after_the_rebuild_only_the_new_layouts_residuals_are_held(exact_aggregator: str, group: None) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(
         nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)),
         bucket_cap_mb=0.01,  # one bucket at first (DDP caps only later ones), two after the rebuild
     )
     # Small rounds: a bucket's residual lives under several round keys, which the rebuild changes too.
-    state = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ef-memory", chunk_elements=512)
+    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ef-memory", chunk_elements=512)
     model.register_comm_hook(state, gradq_hook)
     gradient_elements = sum(p.numel() for p in model.parameters())
     for step in range(4):
@@ -105,7 +83,9 @@ def test_after_the_rebuild_only_the_new_layouts_residuals_are_held(aggregator: s
     state.close()
 
 
-def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(aggregator: str, group: None) -> None:
+def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(
+    exact_aggregator: str, group: None
+) -> None:
     class Bag(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -117,7 +97,7 @@ def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(
 
     torch.manual_seed(0)
     model = DistributedDataParallel(Bag())
-    state = GradqHookState(aggregator, CONFIG, error_feedback=True, job_id="ef-sparse")
+    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ef-sparse")
     model.register_comm_hook(state, gradq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     tokens = torch.randint(0, 100, (32, 5), generator=torch.Generator().manual_seed(0))

@@ -6,14 +6,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from dependencies import require_module
 
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
+from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
 require_module("lightning", "dev")  # under CI a missing lightning fails, not skips
@@ -26,14 +23,6 @@ def joined(server: AggregatorServer) -> dict[str, list[int]]:
     """Job id -> its joined ranks, as the aggregator's table holds them now."""
     with server.table.jobs.lock:
         return {job.job_id: sorted(job.joined) for job in server.table.jobs.all()}
-
-
-@pytest.fixture
-def aggregator() -> Iterator[AggregatorServer]:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=60.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_lightning_ddp_strategy_trains_through_gradq(aggregator: AggregatorServer) -> None:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,11 @@ from dependencies import require_module
 
 from gradq.client.ddp import GradqHookState
 from gradq.client.integrations.registration import GradqIntegrationError
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
+from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
 SCRIPT = Path(__file__).with_name("transformers_train.py")
 STEPS = 6
-
-
-@pytest.fixture
-def aggregator() -> Iterator[AggregatorServer]:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=60.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_the_trainer_trains_through_gradq_twice_with_accumulation(aggregator: AggregatorServer, tmp_path: Path) -> None:
