@@ -130,3 +130,19 @@ def start_workers(
     for process in processes:
         process.start()
     return processes, Outcomes(queues)
+
+
+# One worker's outcome: (rank, step, exact, detail, seconds).
+Event = tuple[int, int, bool, str, float]
+
+
+def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
+    """The next ``count`` outcomes from any worker; fails the test naming what came if they take longer."""
+    found: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    while len(found) < count:
+        try:
+            found.append(events.get(max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
+    return found

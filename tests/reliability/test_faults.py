@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_workers import Outcomes, exact_mean, gradient, start_workers
+from fault_workers import Event, collect, exact_mean, gradient, start_workers
 
 from gradq.client import WorkerClient
 from gradq.qcore import QuantConfig, Scheme
@@ -35,20 +35,6 @@ def aggregators() -> Iterator[list[subprocess.Popen[bytes]]]:
         if process.poll() is None:
             process.kill()
         process.wait()
-
-
-Event = tuple[int, int, bool, str, float]
-
-
-def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
-    found: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    while len(found) < count:
-        try:
-            found.append(events.get(max(0.1, deadline - time.monotonic())))
-        except queue.Empty:
-            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
-    return found
 
 
 def test_killed_worker_is_named_to_survivors_within_deadline_and_server_keeps_serving(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import time
@@ -11,15 +10,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fault_workers import Outcomes, gradient, start_workers
+from fault_workers import collect, gradient, start_workers
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.process import free_port, spawn_aggregator
 
 ROUND_TIMEOUT_S = 30.0  # the default: failing fast must not come from the deadline
-
-Event = tuple[int, int, bool, str, float]
 
 
 @pytest.fixture
@@ -31,17 +28,6 @@ def address() -> Iterator[str]:
     yield f"127.0.0.1:{port}"
     process.kill()
     process.wait()
-
-
-def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
-    found: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    while len(found) < count:
-        try:
-            found.append(events.get(max(0.1, deadline - time.monotonic())))
-        except queue.Empty:
-            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
-    return found
 
 
 def test_a_killed_rank_is_named_to_the_others_within_seconds(address: str) -> None:
