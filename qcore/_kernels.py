@@ -6,7 +6,9 @@ it is writable, else in the user's cache directory).
 """
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 # Non-finite floats are exactly those whose exponent bits are all ones; testing
 # the bits as integers keeps the check exact under the fast-math min/max below.
@@ -15,6 +17,9 @@ _FLOAT32_SMALLEST = float(np.finfo(np.float32).smallest_subnormal)
 # |x| >= 2**126 is refused like NaN/Inf (its exponent field is 0xFD or more):
 # the grid's ends, and so decoded values, then stay below float32's maximum.
 _LARGEST_EXPONENT = np.int32(0x7E800000)
+# Elements per block of the blocked kernels (whole channels, at least one): a
+# block's 32 KB of float32 is still in L1/L2 when its quantizing loop rereads it.
+BLOCK_ELEMENTS = 8192
 
 
 @njit(cache=True, nogil=True)
@@ -60,13 +65,34 @@ def qparams_from_ranges(lows, highs, qmax, symmetric, scales, zero_points):  # t
         scales[c], zero_points[c] = qparams_from_range(float(lows[c]), float(highs[c]), qmax, symmetric, False)
 
 
+@intrinsic
+def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 whose bit pattern is the int32 ``bits``: a register move, no array allocated."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _key_of_bits(b):  # type: ignore[no-untyped-def]
+    """Sign-folded order key of a float32's int32 bits (an involution: it also maps a key back to bits).
+
+    Every step is cast back to int32: numba widens int32 arithmetic to int64,
+    which halves the lanes of the vectorised reductions below.
+    """
+    return np.int32(b ^ (np.int32(b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _float_of_key(key):  # type: ignore[no-untyped-def]
-    bits = key ^ ((key >> 31) & np.int32(0x7FFFFFFF))
-    return np.array([bits], np.int32).view(np.float32)[0]
+    return _float32_from_bits(_key_of_bits(np.int32(key)))  # type: ignore[call-arg]  # numba supplies typingctx
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def channel_range(x, start, stop):  # type: ignore[no-untyped-def]
     """Min, max and an in-range flag (finite, |x| < 2**126) of x[start:stop] in one pass.
 
@@ -80,10 +106,10 @@ def channel_range(x, start, stop):  # type: ignore[no-untyped-def]
     exponent = np.int32(0)
     for i in range(bit_view.size):
         b = bit_view[i]
-        key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+        key = _key_of_bits(b)
         lo = min(lo, key)
         hi = max(hi, key)
-        exponent = max(exponent, b & _EXPONENT_MASK)
+        exponent = max(exponent, np.int32(b & _EXPONENT_MASK))
     return _float_of_key(lo), _float_of_key(hi), exponent < _LARGEST_EXPONENT
 
 
@@ -111,7 +137,7 @@ def _uniform(key, index):  # type: ignore[no-untyped-def]
     return np.float32(z >> np.uint64(40)) * np.float32(1.0 / (1 << 24))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def quantize_channel(x, start, stop, scale, zero_point, qmax, noise_key, levels):  # type: ignore[no-untyped-def]
     """levels[i] = clamp(round(x[i] / scale) + zero_point, 0, qmax) for i in [start, stop).
 
@@ -137,20 +163,28 @@ def quantize_channel(x, start, stop, scale, zero_point, qmax, noise_key, levels)
 
 @njit(cache=True, nogil=True)
 def quantize_fused(x, channel_size, qmax, symmetric, noise_key, levels, scales, zero_points):  # type: ignore[no-untyped-def]
-    """Observe, derive qparams and quantize each channel while it is still in cache.
+    """Observe, derive qparams and quantize a block of channels while it is still in cache.
 
+    Each block (``BLOCK_ELEMENTS`` elements, whole channels) is observed and
+    its qparams derived channel by channel, then quantized: the qparams'
+    scalar float64 arithmetic of one channel overlaps the next channel's
+    min/max instead of stalling its own quantize loop.
     Returns the index of the first channel holding a NaN/Inf, or -1.
     """
-    for c in range(scales.size):
-        start = c * channel_size
-        stop = min(start + channel_size, x.size)
-        lo, hi, finite = channel_range(x, start, stop)
-        if not finite:
-            return c
-        scale, zero_point = qparams_from_range(float(lo), float(hi), qmax, symmetric, noise_key >= 0)
-        scales[c] = scale
-        zero_points[c] = zero_point
-        quantize_channel(x, start, stop, scale, zero_point, qmax, noise_key, levels)
+    stochastic = noise_key >= 0
+    per_block = max(BLOCK_ELEMENTS // channel_size, 1)
+    for first in range(0, scales.size, per_block):
+        last = min(first + per_block, scales.size)
+        for c in range(first, last):
+            start = c * channel_size
+            lo, hi, finite = channel_range(x, start, min(start + channel_size, x.size))
+            if not finite:
+                return c
+            scales[c], zero_points[c] = qparams_from_range(float(lo), float(hi), qmax, symmetric, stochastic)
+        for c in range(first, last):
+            start = c * channel_size
+            stop = min(start + channel_size, x.size)
+            quantize_channel(x, start, stop, scales[c], zero_points[c], qmax, noise_key, levels)
     return -1
 
 
@@ -301,29 +335,37 @@ def dequantize_into(payload, bits, channel_size, scales, zero_points, out, accum
 def quantize_compensated(x, residual, channel_size, qmax, symmetric, noise_key, levels, scales, zero_points):  # type: ignore[no-untyped-def]
     """Error feedback fused into ``quantize_fused``: ``residual <- c - dequantize(quantize(c))``, c = x + residual.
 
-    Each channel is compensated, observed, quantized and its new residual
-    written while it is still in cache; the float32 arithmetic is that of
-    adding, ``quantize_fused`` and ``dequantize_into`` one after the other.
-    Returns the index of the first channel whose compensated values hold a
-    NaN/Inf, or -1; channels before it already hold their new residual.
+    Each block of channels (as in ``quantize_fused``) is compensated,
+    observed, quantized and its new residual written while it is still in
+    cache; the float32 arithmetic is that of adding, ``quantize_fused`` and
+    ``dequantize_into`` one after the other. Returns the index of the first
+    channel whose compensated values hold a NaN/Inf, or -1; the residual is
+    then partly overwritten.
     """
-    for c in range(scales.size):
-        start = c * channel_size
-        stop = min(start + channel_size, x.size)
-        # 0-based slices vectorise, see quantize_channel.
-        xs = x[start:stop]
-        rs = residual[start:stop]
-        for i in range(rs.size):
-            rs[i] = xs[i] + rs[i]
-        lo, hi, finite = channel_range(residual, start, stop)
-        if not finite:
-            return c
-        scale, zero_point = qparams_from_range(float(lo), float(hi), qmax, symmetric, noise_key >= 0)
-        scales[c] = scale
-        zero_points[c] = zero_point
-        quantize_channel(residual, start, stop, scale, zero_point, qmax, noise_key, levels)
-        z = np.float32(zero_point)
-        src = levels[start:stop]
-        for i in range(rs.size):
-            rs[i] = rs[i] - scale * (np.float32(src[i]) - z)
+    stochastic = noise_key >= 0
+    per_block = max(BLOCK_ELEMENTS // channel_size, 1)
+    for first in range(0, scales.size, per_block):
+        last = min(first + per_block, scales.size)
+        for c in range(first, last):
+            start = c * channel_size
+            stop = min(start + channel_size, x.size)
+            # 0-based slices vectorise, see quantize_channel.
+            xs = x[start:stop]
+            rs = residual[start:stop]
+            for i in range(rs.size):
+                rs[i] = xs[i] + rs[i]
+            lo, hi, finite = channel_range(residual, start, stop)
+            if not finite:
+                return c
+            scales[c], zero_points[c] = qparams_from_range(float(lo), float(hi), qmax, symmetric, stochastic)
+        for c in range(first, last):
+            start = c * channel_size
+            stop = min(start + channel_size, x.size)
+            scale = scales[c]
+            quantize_channel(residual, start, stop, scale, zero_points[c], qmax, noise_key, levels)
+            z = np.float32(zero_points[c])
+            rs = residual[start:stop]
+            src = levels[start:stop]
+            for i in range(rs.size):
+                rs[i] = rs[i] - scale * (np.float32(src[i]) - z)
     return -1
