@@ -170,7 +170,8 @@ class AggregatorServer:
         waiting = WaitingCalls(
             self.limits.max_waiting_per_job, self.limits.max_waiting_per_peer, self.limits.max_waiting_calls
         )
-        self.servicer = AggregatorServicer(self.table, waiting, Liveness(self.table, self.limits))
+        membership = self.metrics.membership_changed if self.metrics is not None else None
+        self.servicer = AggregatorServicer(self.table, waiting, Liveness(self.table, self.limits), membership)
         self.health = health.aio.HealthServicer()
         # grpc.aio serves every call on one event loop, run by its own thread so this
         # class keeps a blocking API; round work goes to the loop's default executor.

@@ -24,7 +24,7 @@ from gradq.server.errors import (
 from gradq.server.limits import ServiceLimits
 from gradq.server.round_state import Round
 
-__all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
+__all__ = ["ANY_RANK", "Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ MAX_JOB_ID_LENGTH = 256
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
+# An elastic Join's rank asking the aggregator for the lowest free member id (uint32's largest).
+ANY_RANK = 0xFFFFFFFF
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -70,6 +72,22 @@ class Job:
     feedback_lock: threading.Lock = field(default_factory=threading.Lock)  # a leaf: one mean at a time uses them
     superseded: tuple[str, ...] = ()
     retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
+    # Elastic (see gradq.server.elastic): members come and go. Once ``world_size`` members have
+    # joined the job is formed: a round then waits for the members training, and a newcomer is
+    # pending (member -> ranks) until a live member has sent it the state.
+    elastic: bool = False
+    formed: bool = False
+    pending: dict[int, int] = field(default_factory=dict)
+
+    def complete(self, contributors: set[int]) -> bool:
+        """Whether a round with these contributors has every contribution it waits for. Caller holds the lock.
+
+        A fixed job (or an elastic one still forming) waits for ``world_size``
+        members; a formed elastic job for the members training now.
+        """
+        if self.elastic and self.formed:
+            return bool(self.joined) and self.joined <= contributors
+        return len(contributors) == self.world_size
 
     def describe(self) -> str:
         """``job 'x' (incarnation='y')`` for messages."""
@@ -101,17 +119,28 @@ class JobTable:
         self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
 
     def join(
-        self, job_id: str, rank: int, world_size: int, incarnation: str, now: float, peer: str = "", ranks: int = 1
-    ) -> tuple[Job, list[Retired]]:
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        incarnation: str,
+        now: float,
+        peer: str = "",
+        ranks: int = 1,
+        elastic: bool = False,
+    ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
         ``peer`` is the calling client host; a Join that starts a job counts
         against that host's --max-jobs-per-peer until the job is forgotten.
         ``ranks`` is how many of the job's ranks the member stands for (a
         host's, under two-level aggregation); every Join of a member must agree.
+        ``elastic`` joins an elastic job: ``rank`` may be ANY_RANK, a Join into
+        a live run adopts its incarnation, and a newcomer to a formed job is
+        pending until it has received the state (see gradq.server.elastic).
 
         Returns:
-            (the job, the runs retired by this Join: a superseded incarnation).
+            (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
 
         Raises:
             InvalidArgumentError: bad job id, world size, rank or ranks.
@@ -121,7 +150,15 @@ class JobTable:
             UnavailableError: the aggregator is shutting down.
         """
         _check_job_id(job_id)
-        self._check_world(world_size, rank)
+        if rank == ANY_RANK and not elastic:
+            raise InvalidArgumentError(f"rank={ANY_RANK} (any) is only valid in an elastic Join; expected a rank")
+        # An elastic job's member ids outgrow its starting world_size as hosts are replaced.
+        self._check_world(world_size, 0 if elastic else rank)
+        if elastic and rank != ANY_RANK and rank >= self.limits.max_world_size:
+            raise InvalidArgumentError(
+                f"rank={rank} is out of range; expected 0..{self.limits.max_world_size - 1} (--max-world-size) "
+                f"or {ANY_RANK} (any) for an elastic member"
+            )
         if not 1 <= ranks <= self.limits.max_world_size:
             raise InvalidArgumentError(
                 f"ranks={ranks} is invalid; expected 1..{self.limits.max_world_size} (--max-world-size): "
@@ -132,6 +169,13 @@ class JobTable:
             if self.closing:
                 raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
             job = self._jobs.get(job_id)
+            if job is not None and job.elastic != elastic:
+                raise FailedPreconditionError(
+                    f"elastic={elastic} does not match {job.describe()}, which is "
+                    f"{'elastic' if job.elastic else 'not elastic'}; every host of a job must agree"
+                )
+            if job is not None and elastic and (job.joined or job.pending):
+                incarnation = job.incarnation  # a live elastic run is joined, never superseded by a newcomer
             if job is not None and job.incarnation != incarnation:
                 if incarnation in job.superseded:
                     raise FailedPreconditionError(
@@ -144,6 +188,7 @@ class JobTable:
                 # A restart keeps the job's slot with the host that started it: no host's count moves.
                 creator = job.creator
                 job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded, creator)
+                job.elastic = elastic
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(
@@ -158,33 +203,44 @@ class JobTable:
                         f"--job-idle-timeout"
                     )
                 job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, (), peer)
+                job.elastic = elastic
             elif job.world_size != world_size:
                 raise FailedPreconditionError(
                     f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
                 )
+            if rank == ANY_RANK:
+                rank = _lowest_free(job, self.limits.max_world_size)
             if job.ranks.get(rank, ranks) != ranks:
                 raise FailedPreconditionError(
                     f"ranks={ranks} does not match {job.describe()}, where member {rank} stands for "
                     f"{job.ranks[rank]} ranks; every rank of a host must join with the host's rank count"
                 )
-            rejoined = rank in job.joined
-            job.joined.add(rank)
+            rejoined = rank in job.joined or rank in job.pending
+            if job.elastic and job.formed and rank not in job.joined:
+                job.pending[rank] = ranks  # trains only once it has the state (gradq.server.elastic)
+            else:
+                job.joined.add(rank)
+                job.formed = job.formed or (job.elastic and len(job.joined) >= job.world_size)
             job.ranks[rank] = ranks
             job.lost.pop(rank, None)  # back: its process (or connection) lives again
             job.last_active = now
             joined = len(job.joined)
         log.info(
-            "%s rank %d of %d to %s (%d joined)",
+            "%s %s %d of %d to %s (%d joined)",
             "rejoin" if rejoined else "join",
+            "pending member" if rank in job.pending else "rank",
             rank,
             world_size,
             job.describe(),
             joined,
         )
-        return job, retired
+        return job, retired, rank
 
-    def member(self, job_id: str, rank: int, incarnation: str, now: float) -> Job:
+    def member(self, job_id: str, rank: int, incarnation: str, now: float, pending_ok: bool = False) -> Job:
         """The current run of ``job_id``, which ``rank`` has joined under ``incarnation``. Caller holds ``lock``.
+
+        Args:
+            pending_ok: accept an elastic member still waiting for the state (it may watch and fetch, not push).
 
         Raises:
             FailedPreconditionError: unknown job, another incarnation, or a rank that has not joined.
@@ -197,13 +253,33 @@ class JobTable:
                 f"{describe_incarnation(incarnation)} does not match the current run of job {job_id!r}, "
                 f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)"
             )
-        if rank not in job.joined:
+        if rank in job.pending and not pending_ok:
+            raise FailedPreconditionError(
+                f"member {rank} of elastic {job.describe()} is pending: it trains from the step at which a "
+                f"live member sends it the state (FetchState), not before"
+            )
+        if rank not in job.joined and rank not in job.pending:
             raise FailedPreconditionError(
                 f"rank={rank} has not joined {job.describe()} ({len(job.joined)} of {job.world_size} ranks "
                 f"joined); call Join first"
             )
         job.last_active = now
         return job
+
+    def admit(self, job: Job, joiner: int, sender: int) -> None:
+        """Move an elastic job's pending ``joiner`` into the members training. Caller holds ``lock``.
+
+        Raises:
+            FailedPreconditionError: ``sender`` is not a member training, or ``joiner`` is not pending.
+        """
+        if sender not in job.joined:
+            raise FailedPreconditionError(
+                f"member {sender} is not training in elastic {job.describe()}; only a live member sends the state"
+            )
+        if joiner not in job.pending:
+            raise FailedPreconditionError(f"member {joiner} of elastic {job.describe()} is not pending")
+        job.joined.add(joiner)
+        job.ranks[joiner] = job.pending.pop(joiner)
 
     def leave(self, job_id: str, rank: int, incarnation: str, now: float) -> tuple[Job | None, list[Retired]]:
         """Deregister ``rank``; the run is forgotten (retired) when its last rank leaves.
@@ -220,11 +296,13 @@ class JobTable:
                 return None, []
             if job.incarnation != incarnation:
                 self.member(job_id, rank, incarnation, now)  # raises, naming both incarnations
-            if rank not in job.joined:
+            if rank not in job.joined and rank not in job.pending:
                 return None, []
             job.joined.discard(rank)
+            job.pending.pop(rank, None)
             job.last_active = now
-            retired = [] if job.joined else [self._forget(job, f"every rank left {job.describe()}")]
+            gone = not job.joined and not job.pending
+            retired = [self._forget(job, f"every rank left {job.describe()}")] if gone else []
         log.info("leave rank %d from %s", rank, job.describe())
         return job, retired
 
@@ -272,6 +350,20 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
+
+
+def _lowest_free(job: Job, limit: int) -> int:
+    """The lowest member id of an elastic job that no member (training or pending) holds.
+
+    Raises:
+        ResourceExhaustedError: ``limit`` (--max-world-size) members hold ids already.
+    """
+    taken = job.joined | job.pending.keys()
+    if len(taken) >= limit:
+        raise ResourceExhaustedError(
+            f"{job.describe()} has {len(taken)} members, the most this aggregator allows (--max-world-size)"
+        )
+    return next(candidate for candidate in range(len(taken) + 1) if candidate not in taken)
 
 
 def _check_job_id(job_id: str) -> None:

@@ -12,7 +12,8 @@ stopping, ends streams without losing anyone.
 By default the rounds waiting on a lost rank fail at once for everyone, naming
 it, and so do later rounds of that run (they could never complete), until the
 rank rejoins or the job restarts as a new incarnation. Under a partial quorum
-the rounds close over the ranks present instead.
+the rounds close over the ranks present instead. An elastic job drops the lost
+member and goes on: its open rounds finish over the members left.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Liveness:
         """
         jobs = self._table.jobs
         with jobs.lock:
-            job = jobs.member(job_id, rank, incarnation, self._table.now())
+            job = jobs.member(job_id, rank, incarnation, self._table.now(), pending_ok=True)
             with self._lock:
                 if self._open >= self._limits.max_watches:
                     raise ResourceExhaustedError(
@@ -93,8 +94,13 @@ class Liveness:
             with self._lock:
                 self._open -= 1
             job.watches -= 1
-            if jobs.closing or job.retired or rank not in job.joined:
+            if jobs.closing or job.retired or (rank not in job.joined and rank not in job.pending):
                 return
-            job.lost[rank] = LOST_REASON
-        log.warning("rank %d of %s is lost: %s", rank, job.describe(), LOST_REASON)
-        self._table.close_rounds_lacking(job, rank, f"rank {rank} was lost ({LOST_REASON})", "rank_lost")
+            if job.elastic:  # the others go on without it (gradq.server.elastic)
+                job.joined.discard(rank)
+                job.pending.pop(rank, None)
+            else:
+                job.lost[rank] = LOST_REASON
+            left = len(job.joined)
+        log.warning("rank %d of %s is lost (%d members left): %s", rank, job.describe(), left, LOST_REASON)
+        self._table.member_gone(job, rank, f"rank {rank} was lost ({LOST_REASON})", "rank_lost")

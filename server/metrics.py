@@ -110,17 +110,34 @@ class RoundMetrics:
             registry=self.registry,
         )
 
+        self.membership_events = Counter(
+            "gradq_membership_events",
+            "Elastic jobs' membership changes: joined, waiting (for the state), admitted, rank_lost, rank_left",
+            ["job", "event"],
+            registry=self.registry,
+        )
+        self.members = Gauge(
+            "gradq_job_members", "Members training in an elastic job after its last change", job, registry=self.registry
+        )
+
     def round_finished(self, report: RoundReport) -> None:
         """Record one finished round."""
         with self._lock:
             self._record(report)
 
+    def membership_changed(self, job: str, event: str, members: int) -> None:
+        """Record one change of an elastic job's members (``members`` training after it)."""
+        with self._lock:
+            self._keep(job)
+            self._series(self.membership_events, job, event).inc()
+            self._series(self.members, job).set(members)
+
     def _series(self, metric: Any, job: str, *labels: str) -> Any:
         self._jobs[job].add((metric, (job, *labels)))
         return metric.labels(job, *labels)
 
-    def _record(self, report: RoundReport) -> None:
-        job = report.job_id
+    def _keep(self, job: str) -> None:
+        """Make ``job`` the most recent job with series, evicting the oldest past ``max_jobs``."""
         if job in self._jobs:
             self._jobs.move_to_end(job)
         else:
@@ -129,6 +146,10 @@ class RoundMetrics:
                 _, evicted = self._jobs.popitem(last=False)
                 for metric, labels in evicted:
                     metric.remove(*labels)
+
+    def _record(self, report: RoundReport) -> None:
+        job = report.job_id
+        self._keep(job)
         series = self._series
         series(self.rounds, job, report.outcome, report.reason or "none").inc()
         series(self.round_seconds, job).observe(report.seconds)

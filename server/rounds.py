@@ -37,9 +37,20 @@ from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult, Waker
 from gradq.server.step_window import check_grid, check_step, contribution_digest
 
-__all__ = ["RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
+__all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class JoinAnswer:
+    """What a Join got: the job's world size, members joined, this member's id and run, and whether it must catch up."""
+
+    world_size: int
+    joined: int
+    rank: int
+    incarnation: str
+    catch_up: bool  # an elastic newcomer to a job in training: pending until it has the state
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,8 @@ class RoundTable:
         self._closer = RoundCloser(policy, self.jobs, self.budget, self.accumulators, package, observer)
         self.counters = self._closer.counters
         self._job_finished = job_finished
+        # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
+        self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -99,10 +112,33 @@ class RoundTable:
             InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
             UnavailableError: see ``JobTable.join``.
         """
-        job, retired = self.jobs.join(job_id, rank, world_size, incarnation, self._clock(), peer, ranks)
+        answer = self.join_member(job_id, rank, world_size, incarnation, peer, ranks)
+        return answer.world_size, answer.joined
+
+    def join_member(
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        incarnation: str = "",
+        peer: str = "",
+        ranks: int = 1,
+        elastic: bool = False,
+    ) -> JoinAnswer:
+        """``join``, also for elastic members (``rank`` may be ANY_RANK); says which member and run were joined.
+
+        Raises:
+            See ``join``.
+        """
+        job, retired, member = self.jobs.join(
+            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic
+        )
         self._retire(retired)
         with self.jobs.lock:
-            return job.world_size, len(job.joined)
+            answer = JoinAnswer(job.world_size, len(job.joined), member, job.incarnation, member in job.pending)
+        if job.elastic:
+            self.membership_changed(job, "pending" if answer.catch_up else "joined")
+        return answer
 
     def now(self) -> float:
         """The table's clock (monotonic seconds; injected in tests)."""
@@ -120,7 +156,31 @@ class RoundTable:
             self._job_finished(job_id)  # its last rank left: the job is done
         if job is None or retired:
             return
-        self.close_rounds_lacking(job, rank, f"rank {rank} left the job", "rank_left")
+        self.member_gone(job, rank, f"rank {rank} left the job", "rank_left")
+
+    def member_gone(self, job: Job, rank: int, reason: str, code: str) -> None:
+        """A member left or was lost: a formed elastic job goes on without it, any other closes what waits on it."""
+        if job.elastic and job.formed:
+            self.membership_changed(job, code)
+            self.finish_rounds_complete(job, reason)
+        else:
+            self.close_rounds_lacking(job, rank, reason, code)
+
+    def finish_rounds_complete(self, job: Job, reason: str) -> None:
+        """Finish every open round of ``job`` that has all the members training now; fail them all if none is."""
+        with self.jobs.lock:
+            waiting = list(job.open)
+        for rnd in waiting:
+            with rnd.lock:
+                if rnd.done.is_set():
+                    continue
+                with self.jobs.lock:
+                    complete, anyone = job.complete(rnd.contributors), bool(job.joined)
+                if complete:
+                    self._closer.finish(job, rnd)
+                elif not anyone:
+                    error = RoundAbortedError(f"{rnd.describe(job.job_id)} failed: {reason}; no member is left")
+                    self._closer.fail(job, rnd, error, "no_members")
 
     def close_rounds_lacking(self, job: Job, rank: int, reason: str, code: str) -> None:
         """Close now, partial over a quorum or failed, every open round of ``job`` still waiting for ``rank``."""
@@ -258,7 +318,8 @@ class RoundTable:
             if not rnd.done.is_set() and rank not in rnd.contributors:
                 ranks = job.ranks.get(rank, 1)
                 if not non_finite:
-                    rnd.accumulate(tensor, last=len(rnd.contributors) + 1 == job.world_size, ranks=rnd.ranks + ranks)
+                    last = self._completes(job, rnd.contributors | {rank})
+                    rnd.accumulate(tensor, last=last, ranks=rnd.ranks + ranks)
                 elif self.policy.non_finite == "reject":
                     reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                     error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
@@ -271,8 +332,15 @@ class RoundTable:
                 rnd.digests[rank] = digest
                 rnd.arrivals[rank] = self._clock()
                 rnd.received_bytes += tensor.nbytes
-                if len(rnd.contributors) == job.world_size:
+                if self._completes(job, rnd.contributors):
                     self._closer.finish(job, rnd)
+
+    def _completes(self, job: Job, contributors: set[int]) -> bool:
+        """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
+        if not job.elastic:
+            return len(contributors) == job.world_size  # fixed for the run: no lock needed
+        with self.jobs.lock:  # an elastic job's members change under it
+            return job.complete(contributors)
 
     def _superseded_failure(self, job: Job, rnd: Round) -> bool:
         """A round that failed for lack of ranks which a new push of its (step, bucket) starts afresh.

@@ -83,9 +83,18 @@ def result_to_bytes(result: RoundResult) -> bytes:
     return serialize_with_tensor(response, "mean", result.mean)
 
 
-def join_to_proto(world_size: int, joined: int, server_id: str) -> pb.JoinResponse:
+def join_to_proto(
+    world_size: int, joined: int, server_id: str, rank: int = 0, incarnation: str = "", catch_up: bool = False
+) -> pb.JoinResponse:
     """The answer to a Join: its size does not grow with the world size."""
-    return pb.JoinResponse(world_size=world_size, joined=joined, server_id=server_id)
+    return pb.JoinResponse(
+        world_size=world_size,
+        joined=joined,
+        server_id=server_id,
+        rank=rank,
+        incarnation=incarnation,
+        catch_up=catch_up,
+    )
 
 
 def join_from_bytes(data: bytes) -> pb.JoinRequest:
@@ -115,9 +124,41 @@ def watch_from_bytes(data: bytes) -> pb.WatchRequest:
     return _parse(data, pb.WatchRequest)
 
 
-def watch_event_to_bytes(joined: int) -> bytes:
-    """The Watch stream's first message: the watch is in place."""
-    return pb.WatchEvent(joined=joined).SerializeToString()
+def watch_event_to_bytes(
+    joined: int, members: list[int] | None = None, ranks: int = 0, joiners: list[int] | None = None, donor: int = 0
+) -> bytes:
+    """A Watch stream's message: the watch is in place, or (elastic) the job's members changed."""
+    event = pb.WatchEvent(joined=joined, members=members or [], ranks=ranks, joiners=joiners or [], donor=donor)
+    return event.SerializeToString()
+
+
+def state_request_from_bytes(data: bytes) -> pb.StateRequest:
+    """Parse a serialized StateRequest.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a StateRequest.
+    """
+    return _parse(data, pb.StateRequest)
+
+
+def state_chunk_from_bytes(data: bytes) -> pb.StateChunk:
+    """Parse a serialized StateChunk.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a StateChunk.
+    """
+    return _parse(data, pb.StateChunk)
+
+
+def state_chunk_to_bytes(sender: int, joiner: int, step: int, total_bytes: int, data: bytes) -> bytes:
+    """One relayed chunk of the state, as the joiner receives it (every chunk carries the header)."""
+    chunk = pb.StateChunk(rank=sender, joiner=joiner, step=step, total_bytes=total_bytes, data=data)
+    return chunk.SerializeToString()
+
+
+def put_state_response_to_bytes(relayed_bytes: int) -> bytes:
+    """The answer to a complete PutState."""
+    return pb.PutStateResponse(relayed_bytes=relayed_bytes).SerializeToString()
 
 
 def _parse(data: bytes, message: type[M]) -> M:

@@ -23,9 +23,11 @@ import grpc
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
 from gradq.server.auth import check_scope
-from gradq.server.errors import ResourceExhaustedError, RoundError
+from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
+from gradq.server.jobs import Job
 from gradq.server.liveness import Liveness
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
+from gradq.server.state_relay import StateHeader, StateRelays
 from gradq.server.waiting import WaitingCalls, peer_host
 
 __all__ = ["AggregatorServicer", "add_aggregator_to_server", "aggregator_handlers", "SERVICE_NAME"]
@@ -83,14 +85,28 @@ class AggregatorServicer:
         table: the round logic.
         waiting: caps on PushPull calls waiting for their rounds.
         liveness: the Watch streams, whose unannounced end loses a rank.
+        membership_observer: told (job id, event, members training) on every
+            change of an elastic job's members (the metrics); from any thread.
     """
 
-    def __init__(self, table: RoundTable, waiting: WaitingCalls, liveness: Liveness) -> None:
+    def __init__(
+        self,
+        table: RoundTable,
+        waiting: WaitingCalls,
+        liveness: Liveness,
+        membership_observer: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         self.table = table
         self.waiting = waiting
         self.liveness = liveness
+        self.relays = StateRelays(table, self.membership_changed)
+        table.membership_changed = self.membership_changed
+        self._observe_membership = membership_observer
         # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace.
         self._stopping = asyncio.Event()
+        # Each elastic job's open Watch streams, woken to send its members whenever they change.
+        self._watchers: dict[Job, set[asyncio.Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's, known from the first Watch
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
 
@@ -98,17 +114,23 @@ class AggregatorServicer:
         request = await _call(context, serde.join_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
         peer = peer_host(context.peer())
-        world_size, joined = await _in_pool(
+        answer = await _in_pool(
             context,
-            self.table.join,
+            self.table.join_member,
             request.job_id,
             request.rank,
             request.world_size,
             request.incarnation,
             peer,
             request.ranks or 1,
+            request.elastic,
         )
-        return serde.join_to_proto(world_size, joined, self.server_id).SerializeToString()
+        if answer.rank != request.rank:  # an assigned member id is scoped like an asked-for one
+            await _call(context, check_scope, request.job_id, answer.rank)
+        response = serde.join_to_proto(
+            answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up
+        )
+        return response.SerializeToString()
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         data = raw.take()
@@ -177,16 +199,98 @@ class AggregatorServicer:
         request = await _call(context, serde.watch_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
         watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
+        self._loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        self._watchers.setdefault(watch.job, set()).add(changed)
         try:
-            yield serde.watch_event_to_bytes(len(watch.job.joined))
-            await self._stopping.wait()  # or until gRPC cancels the call: the client went
+            yield self._watch_event(watch.job)
+            # Until the server stops or gRPC cancels the call (the client went); an elastic
+            # job's membership changes meanwhile are sent on, coalesced to the latest.
+            while not self._stopping.is_set():
+                await changed.wait()
+                changed.clear()
+                if not self._stopping.is_set():
+                    yield self._watch_event(watch.job)
         finally:
+            watchers = self._watchers.get(watch.job, set())
+            watchers.discard(changed)
+            if not watchers:
+                self._watchers.pop(watch.job, None)
             # Not awaited: the call is being cancelled. Closing rounds takes their locks, so off the loop.
             asyncio.get_running_loop().run_in_executor(None, self.liveness.close, watch)
+
+    def _watch_event(self, job: Job) -> bytes:
+        """What a Watch sends now: how many joined, and for an elastic job who trains and who waits."""
+        with self.table.jobs.lock:
+            members = sorted(job.joined)
+            ranks = sum(job.ranks.get(member, 1) for member in members)
+        if not job.elastic:
+            return serde.watch_event_to_bytes(len(members))
+        donor = min(members, default=0)  # the lowest member training sends joiners the state
+        return serde.watch_event_to_bytes(len(members), members, ranks, self.relays.waiting(job), donor)
+
+    def membership_changed(self, job: Job, event: str) -> None:
+        """An elastic job's members changed (from any thread): count it, and wake its Watch streams to send it."""
+        if self._observe_membership is not None:
+            with self.table.jobs.lock:
+                members = len(job.joined)
+            self._observe_membership(job.job_id, event, members)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped
+                self._loop.call_soon_threadsafe(self._wake_watchers, job)
+
+    def _wake_watchers(self, job: Job) -> None:
+        self.relays.fail_unserved(job)
+        for changed in self._watchers.get(job, ()):
+            changed.set()
 
     async def end_watches(self) -> None:
         """End every Watch stream (the server is stopping: no rank is lost by it)."""
         self._stopping.set()
+        for watchers in self._watchers.values():
+            for changed in watchers:
+                changed.set()
+
+    async def FetchState(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # noqa: N802
+        """A pending elastic member waits for the training state, and receives it as a live member sends it."""
+        request = await _call(context, serde.state_request_from_bytes, raw.take())
+        await _call(context, check_scope, request.job_id, request.rank)
+        relay = await _call(context, self.relays.open, request.job_id, request.rank, request.incarnation)
+        try:
+            async for data in relay.chunks():
+                header = relay.header
+                assert header is not None
+                yield serde.state_chunk_to_bytes(header.sender, relay.joiner, header.step, header.total_bytes, data)
+        except RoundError as error:
+            await _abort(context, error)
+        finally:
+            self.relays.close(relay)
+
+    async def PutState(self, requests: AsyncIterator[RawRequest], context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
+        """A live member sends a waiting joiner the state; its first chunk admits the joiner from its step on."""
+        relay = None
+        try:
+            async for raw in requests:
+                chunk = await _call(context, serde.state_chunk_from_bytes, raw.take())
+                if relay is None:
+                    await _call(context, check_scope, chunk.job_id, chunk.rank)
+                    header = StateHeader(chunk.rank, chunk.step, chunk.total_bytes)
+                    relay = await _call(
+                        context, self.relays.claim, chunk.job_id, chunk.rank, chunk.incarnation, chunk.joiner, header
+                    )
+                await relay.put(chunk.data)
+            if relay is None:
+                raise InvalidArgumentError("PutState sent no chunk; expected the state's first chunk with its header")
+            await relay.end()
+            return serde.put_state_response_to_bytes(relay.relayed)
+        except RoundError as error:
+            if relay is not None:
+                relay.fail(error)
+            await _abort(context, error)
+        except BaseException:  # the sender went away mid-stream (the call is cancelled)
+            if relay is not None:
+                relay.fail(UnavailableError(f"member {relay.header.sender if relay.header else '?'} stopped sending"))
+            raise
 
     async def Leave(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.leave_from_bytes, raw.take())
@@ -212,8 +316,12 @@ def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMetho
         )
         for name in ("Join", "PushPull", "Leave")
     }
-    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Watch, request_deserializer=RawRequest, response_serializer=_as_bytes
+    for name in ("Watch", "FetchState"):
+        handlers[name] = grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=RawRequest, response_serializer=_as_bytes
+        )
+    handlers["PutState"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PutState, request_deserializer=RawRequest, response_serializer=_as_bytes
     )
     return handlers
 

@@ -47,28 +47,36 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
     incarnation: str
     ranks: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+    elastic: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("world_size", "server_id", "joined")
+    __slots__ = ("world_size", "server_id", "joined", "rank", "incarnation", "catch_up")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     server_id: str
     joined: int
-    def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ...) -> None: ...
+    rank: int
+    incarnation: str
+    catch_up: bool
+    def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation")
@@ -113,10 +121,18 @@ class WatchRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("joined",)
+    __slots__ = ("joined", "members", "ranks", "joiners", "donor")
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    JOINERS_FIELD_NUMBER: _ClassVar[int]
+    DONOR_FIELD_NUMBER: _ClassVar[int]
     joined: int
-    def __init__(self, joined: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[int]
+    ranks: int
+    joiners: _containers.RepeatedScalarFieldContainer[int]
+    donor: int
+    def __init__(self, joined: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., ranks: _Optional[int] = ..., joiners: _Optional[_Iterable[int]] = ..., donor: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation")
@@ -131,3 +147,37 @@ class LeaveRequest(_message.Message):
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation", "joiner", "step", "total_bytes", "data")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    JOINER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: str
+    joiner: int
+    step: int
+    total_bytes: int
+    data: bytes
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., joiner: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutStateResponse(_message.Message):
+    __slots__ = ("relayed_bytes",)
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    relayed_bytes: int
+    def __init__(self, relayed_bytes: _Optional[int] = ...) -> None: ...

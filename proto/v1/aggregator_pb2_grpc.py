@@ -54,6 +54,16 @@ class AggregatorStub:
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/gradq.v1.Aggregator/FetchState',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateRequest.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.FromString,
+                _registered_method=True)
+        self.PutState = channel.stream_unary(
+                '/gradq.v1.Aggregator/PutState',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -93,6 +103,22 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchState(self, request, context):
+        """Elastic: a pending joiner waits here for the training state, streamed to
+        it as the donor sends it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutState(self, request_iterator, context):
+        """Elastic: a live member sends a waiting joiner the state at a step
+        boundary; the first chunk admits the joiner from that step on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +141,16 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveRequest.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateRequest.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.SerializeToString,
+            ),
+            'PutState': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutState,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +261,60 @@ class Aggregator:
             '/gradq.v1.Aggregator/Leave',
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveRequest.SerializeToString,
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradq.v1.Aggregator/FetchState',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateRequest.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gradq.v1.Aggregator/PutState',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
