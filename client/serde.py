@@ -28,9 +28,33 @@ class PulledMean:
     skipped: bool = False  # a rank reported NaN/Inf: the values are zeros, skip the step
 
 
-def join_request(job_id: str, rank: int, world_size: int, incarnation: str = "", ranks: int = 1) -> pb.JoinRequest:
+def join_request(
+    job_id: str, rank: int, world_size: int, incarnation: str = "", ranks: int = 1, elastic: bool = False
+) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ranks."""
-    return pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, ranks=ranks)
+    return pb.JoinRequest(
+        job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, ranks=ranks, elastic=elastic
+    )
+
+
+def state_request(job_id: str, rank: int, incarnation: str) -> pb.StateRequest:
+    """A pending elastic member's request for the training state."""
+    return pb.StateRequest(job_id=job_id, rank=rank, incarnation=incarnation)
+
+
+def state_chunk(
+    job_id: str, rank: int, incarnation: str, joiner: int, step: int, total_bytes: int, data: bytes
+) -> pb.StateChunk:
+    """One chunk of the training state a member sends ``joiner``."""
+    return pb.StateChunk(
+        job_id=job_id,
+        rank=rank,
+        incarnation=incarnation,
+        joiner=joiner,
+        step=step,
+        total_bytes=total_bytes,
+        data=data,
+    )
 
 
 def watch_request(job_id: str, rank: int, incarnation: str = "") -> pb.WatchRequest:

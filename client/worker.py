@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -21,6 +22,7 @@ from gradq.client.chunks import (
     chunk_key,
     shard_for,
 )
+from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState, fetch_state, send_state, world_of
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError, PendingPush, ShardSender
 from gradq.client.stats import ClientStats, StatsRecorder
@@ -31,7 +33,14 @@ from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
 from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_MAX_MESSAGE_BYTES", "AggregationError", "WorkerClient", "shard_for"]
+__all__ = [
+    "ANY_RANK",
+    "DEFAULT_CHUNK_ELEMENTS",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "AggregationError",
+    "WorkerClient",
+    "shard_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +85,11 @@ class WorkerClient:
             two-level aggregation the ranks of the host whose sum it pushes
             (``rank`` and ``world_size`` then count hosts); the aggregator
             divides the sum of a round by the ranks its contributors stand for.
+        elastic: join an elastic job (one shard only): ``rank`` may be
+            ``ANY_RANK`` (the aggregator assigns a free member id at ``join``),
+            a live run's incarnation is adopted, ``world_size`` counts the
+            members it starts with, and the Watch stream's membership news is
+            read into ``world`` (see gradq.client.elastic).
     """
 
     def __init__(
@@ -98,13 +112,18 @@ class WorkerClient:
         incarnation: str = "",
         ranks: int = 1,
         reconnect_timeout_s: float = 10.0,
+        elastic: bool = False,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
             raise ValueError(f"addresses={addresses!r} is invalid; expected one or more 'host:port' strings")
         if world_size < 1:
             raise ValueError(f"world_size={world_size} is invalid; expected >= 1")
-        if not 0 <= rank < world_size:
+        if elastic and len(self.addresses) != 1:
+            raise ValueError(
+                f"addresses={self.addresses!r}: an elastic job runs on one aggregator shard; expected one address"
+            )
+        if not elastic and not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is out of range; expected 0..{world_size - 1}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} is invalid; expected > 0")
@@ -121,6 +140,9 @@ class WorkerClient:
         self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
+        self.elastic = elastic
+        self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
+        self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
         self.timeout_s = timeout_s
@@ -171,12 +193,17 @@ class WorkerClient:
         self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
 
     def _join_shard(self, shard: int, patience: float | None = None) -> None:
-        request = serde.join_request(self.job_id, self.rank, self.world_size, self.incarnation, self.ranks)
+        request = serde.join_request(
+            self.job_id, self.rank, self.world_size, self.incarnation, self.ranks, self.elastic
+        )
         timeout = self.timeout_s if patience is None else patience
         try:
-            self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+            response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
             raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
+        if self.elastic:  # the member id and run the aggregator gave this member
+            self.rank, self.incarnation, self.catch_up = response.rank, response.incarnation, response.catch_up
+            self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, self.rank])
         self._joined[shard] = True
         self._watch(shard)
 
@@ -194,6 +221,38 @@ class WorkerClient:
         address = self.addresses[shard]
         call.add_done_callback(lambda done: _watch_ended(address, done))
         self._watches[shard] = call
+        if self.elastic:  # the stream carries the job's membership news: read it as it comes
+            threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
+
+    def _read_world(self, call: Any) -> None:
+        """Keep ``world`` current from the Watch stream until it ends."""
+        try:
+            for event in call:
+                self.world = world_of(event)
+        except grpc.RpcError:
+            pass  # the stream ended: ``_watch_ended`` says why when it matters
+
+    # -- elastic state transfer -----------------------------------------------------------------
+
+    def fetch_state(self) -> ReceivedState:
+        """A pending elastic member waits (up to ``timeout_s``) for the training state and receives it.
+
+        Raises:
+            AggregationError: refused, the sender went away, or the deadline passed.
+        """
+        request = serde.state_request(self.job_id, self.rank, self.incarnation)
+        received = fetch_state(self._stubs[0], self.addresses[0], request, self.timeout_s, self._metadata)
+        self.catch_up = False
+        return received
+
+    def send_state(self, joiner: int, step: int, data: bytes) -> int:
+        """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
+
+        Raises:
+            AggregationError: the joiner is not waiting (or went away), or the aggregator could not be reached.
+        """
+        header = serde.state_chunk(self.job_id, self.rank, self.incarnation, joiner, step, 0, b"")
+        return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""

@@ -56,6 +56,7 @@ HOOK_ENVIRONMENT = {
     "GRADQ_CONNECT_TIMEOUT": "seconds the first Join waits for each aggregator shard",
     "GRADQ_HOST": "this rank's host name: ranks with the same one reduce together first (unset: the launcher's)",
     "GRADQ_HOST_GROUPING": "auto (two-level where hosts hold several ranks) or flat",
+    "GRADQ_ELASTIC_HOSTS": "0: a fixed job; N: an elastic job that starts once N hosts joined (needs GRADQ_JOB_ID)",
     "GRADQ_TLS_CA": "PEM CA of the aggregator's certificate: talk TLS",
     "GRADQ_TLS_CLIENT_CERT": "this worker's PEM certificate, for mutual TLS",
     "GRADQ_TLS_CLIENT_KEY": "its PEM key",
@@ -72,6 +73,7 @@ _HOOK_ARGUMENTS = {
     "connect_timeout_s": "GRADQ_CONNECT_TIMEOUT",
     "host": "GRADQ_HOST",
     "host_grouping": "GRADQ_HOST_GROUPING",
+    "elastic_hosts": "GRADQ_ELASTIC_HOSTS",
 }
 
 
@@ -203,6 +205,7 @@ HOOK_PARSERS: dict[str, Callable[[str], Any]] = {
     "GRADQ_CONNECT_TIMEOUT": parse_number(0, above=True),
     "GRADQ_HOST": str,
     "GRADQ_HOST_GROUPING": parse_host_grouping,
+    "GRADQ_ELASTIC_HOSTS": parse_integer(0),
     "GRADQ_TLS_CA": parse_file,
     "GRADQ_TLS_CLIENT_CERT": parse_file,
     "GRADQ_TLS_CLIENT_KEY": parse_file,

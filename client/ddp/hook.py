@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -19,12 +20,14 @@ import torch.distributed as dist
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
+from gradq.client.ddp.elastic import elastic_host, serve_joiners, share_objects, start_member
 from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOST_GROUPINGS, hook_arguments_from_env
 from gradq.client.ddp.errors import BackwardFailures
 from gradq.client.ddp.host_groups import HostGroup, find_host_group, push_through_host
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.ddp.residuals import ParameterResiduals
+from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
 from gradq.client.stats import ClientStats
@@ -50,6 +53,8 @@ _UNPICKLED = frozenset(
         "__weakref__",
         "_client",
         "_closed",
+        "_served_step",
+        "_shared",
         "_failures",
         "_gather_pool",
         "_host",
@@ -98,6 +103,12 @@ class GradqHookState:
             NODE_RANK); "flat" pushes every rank's whole bucket.
         host: this rank's host name, for launchers that set no node rank:
             ranks given the same name reduce together (None: the launcher's).
+        elastic_hosts: 0 for a fixed job; N > 0 makes the job elastic (see
+            gradq.client.ddp.elastic): each host is one process with its own
+            process group, the job starts training once N hosts have joined,
+            hosts may then be lost (the others go on) and join (they receive
+            the training state of the objects given to ``share`` at a step
+            boundary). Call ``start()`` before training.
     """
 
     __slots__ = (
@@ -111,11 +122,14 @@ class GradqHookState:
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
         "_residuals",  # keeps error feedback on its parameters across bucket rebuilds and checkpoints
         "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
+        "_served_step",  # elastic: the step whose boundary this member last served joiners at
+        "_shared",  # elastic: the objects (model, optimizer, ...) whose state a joiner receives
         "addresses",  # aggregator shard addresses, in shard order
         "chunk_elements",  # largest round a bucket is cut into
         "codec",  # "auto", "torch" or "numpy": which array library quantizes a bucket
         "config",  # the wire grid for pushes
         "connect_timeout_s",  # first join's patience
+        "elastic_hosts",  # 0: a fixed job; N: an elastic job that starts with N hosts
         "error_feedback",  # whether residuals are kept
         "fallback",  # behaviour when the aggregator is unreachable at start
         "host",  # explicit host name for launchers that set none (None: from the launcher)
@@ -146,6 +160,7 @@ class GradqHookState:
         codec: str = "auto",
         host_grouping: str = "auto",
         host: str | None = None,
+        elastic_hosts: int = 0,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -174,6 +189,16 @@ class GradqHookState:
             raise ValueError(f"host_grouping={host_grouping!r} is invalid; expected one of {', '.join(HOST_GROUPINGS)}")
         self.host_grouping = host_grouping
         self.host = host
+        if isinstance(elastic_hosts, bool) or not isinstance(elastic_hosts, int) or elastic_hosts < 0:
+            raise ValueError(f"elastic_hosts={elastic_hosts!r} is invalid; expected 0 (a fixed job) or hosts >= 1")
+        if elastic_hosts and job_id is None:
+            raise ValueError("elastic_hosts needs job_id: independent hosts find their job by it")
+        if elastic_hosts and len(self.addresses) != 1:
+            raise ValueError(f"addresses={self.addresses!r}: an elastic job runs on one aggregator shard")
+        if elastic_hosts and fallback != "error":
+            raise ValueError(f"fallback={fallback!r}: an elastic host cannot fall back (it would train alone)")
+        self.elastic_hosts = elastic_hosts
+        self._shared: list[Any] = []
         self.step = 0
         self._reset_connection()
 
@@ -207,6 +232,7 @@ class GradqHookState:
         self._failures = BackwardFailures()
         self._residuals = ParameterResiduals()
         self._closed = False
+        self._served_step = -1
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps so that resuming keeps error feedback (``torch.save`` it with the model).
@@ -253,11 +279,43 @@ class GradqHookState:
             "codec": "auto",
             "host_grouping": "auto",
             "host": None,
+            "elastic_hosts": 0,
         }
         for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
+        self._shared = []
         self.process_group = None
         self._reset_connection()
+
+    def share(self, *objects: Any) -> None:
+        """Elastic: the objects a joining host receives the state of (the model, the optimizer, a scheduler...).
+
+        Each needs ``state_dict()`` and ``load_state_dict()``; every host shares
+        the same kinds in the same order. Call it before ``start()``.
+
+        Raises:
+            TypeError: an object lacks state_dict / load_state_dict.
+        """
+        share_objects(self, objects)
+
+    def start(self) -> int:
+        """Join the job now; an elastic newcomer receives the training state before this returns.
+
+        Returns:
+            The step to train from: 0 for a host that starts the job, the
+            donor's step for one that joins it in training (its model and
+            optimizer then hold the training state, bit for bit).
+
+        Raises:
+            AggregationError: the aggregator refused or could not be reached,
+                or the state transfer failed.
+            ValueError: an elastic job with nothing shared.
+        """
+        return start_member(self)
+
+    def world(self) -> JobWorld | None:
+        """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
+        return self._client.world if self._client is not None else None
 
     @property
     def client(self) -> WorkerClient | None:
@@ -316,13 +374,17 @@ class GradqHookState:
         group = self._group()
         self.job_id, self.incarnation = draw_run_names(group, self.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
-        host = self._host = find_host_group(group, self.host_grouping, self.host, os.environ, self.timeout_s)
+        if self.elastic_hosts:
+            host = self._host = elastic_host(group, self.elastic_hosts)
+        else:
+            host = self._host = find_host_group(group, self.host_grouping, self.host, os.environ, self.timeout_s)
         client = WorkerClient(
             self.addresses,
             self.job_id,
-            host.host,
+            ANY_RANK if self.elastic_hosts else host.host,
             host.hosts,
             self.config,
+            elastic=bool(self.elastic_hosts),
             ranks=host.local_size,
             error_feedback=self.error_feedback,
             timeout_s=self.timeout_s,
@@ -345,6 +407,8 @@ class GradqHookState:
         if reachable.item() == 1:
             self._client, self._mode = client, "gradq"
             self._membership = Membership(self, client)
+            if self.elastic_hosts:  # the member id the aggregator assigned, and the run joined
+                self._host, self.incarnation = replace(host, host=client.rank), client.incarnation
             return
         if failure is None:
             client.close()
@@ -374,12 +438,18 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     """
     if state._closed:
         raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")
+    if state.mode is None and state.elastic_hosts:
+        raise RuntimeError(
+            "an elastic host joins before training: call state.share(model, optimizer) and state.start()"
+        )
     if state.mode is None:
         state._connect()
     sparse = bucket.buffer().layout != torch.strided
     if state.mode != "gradq":
         return _fallback_allreduce(state, bucket) if sparse else _FALLBACK_HOOKS[str(state.mode)](state, bucket)
     step = state.step
+    if state.elastic_hosts:
+        serve_joiners(state, step)  # at a step boundary, before this step's first push
     if bucket.is_last():
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1

@@ -1,0 +1,151 @@
+"""One elastic host training the digits MLP: its own process group, a gradq job shared with the other hosts.
+
+Hosts that start the job start from the same seed (there is no broadcast
+between hosts); one that joins later receives the model and optimizer state
+from a live host (see gradq.client.ddp.elastic) and trains from that step on.
+Each step's batch is drawn from the step and the host's member id, so a run's
+data does not depend on when a host came or went.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradq.client.apps.training import load_digits_split
+from gradq.client.ddp import GradqHookState, gradq_hook
+from gradq.client.security import ChannelSecurity
+from gradq.qcore import QuantConfig
+
+__all__ = ["ElasticSpec", "ElasticStep", "ElasticResult", "train_elastic"]
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticStep:
+    """What one host saw at the end of one step."""
+
+    step: int
+    member: int  # this host's member id
+    finished_at: float  # time.time() once the optimizer step was taken
+    loss: float
+    parameters_sha256: str  # of every parameter's bytes: equal on every host after the same step
+    ranks: int  # the ranks training as last announced (0 before the first announcement)
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticResult:
+    """A host's run: where it started, its held-out loss and accuracy at the end."""
+
+    member: int
+    first_step: int
+    steps: int
+    held_out_loss: float
+    accuracy: float
+    parameters_sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticSpec:
+    """One elastic host's training run.
+
+    Args:
+        aggregator: ``host:port`` of the one aggregator.
+        job_id: the job every host of the run shares.
+        hosts: the hosts the job starts with (``elastic_hosts``).
+        steps: train until this step (a joiner starts at the step it receives).
+        config, error_feedback, security: the hook's.
+        batch_size, learning_rate, seed, hidden: the usual (AdamW).
+        step_sleep_s: pause after each step (a benchmark's stand-in for a bigger model's compute).
+        on_step: called after every step.
+    """
+
+    aggregator: str
+    job_id: str
+    hosts: int
+    steps: int = 200
+    config: QuantConfig = field(default_factory=QuantConfig)
+    error_feedback: bool = False
+    security: ChannelSecurity | None = None
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    seed: int = 0
+    hidden: int = 64
+    step_sleep_s: float = 0.0
+    on_step: Callable[[ElasticStep], None] | None = None
+
+
+def train_elastic(spec: ElasticSpec) -> ElasticResult:
+    """Train this host until ``spec.steps``; returns its result (held-out loss on the same split on every host)."""
+    torch.set_num_threads(1)  # several hosts may share a few cores
+    with tempfile.TemporaryDirectory() as rendezvous:
+        # A process group of this process alone: hosts meet only at the aggregator.
+        dist.init_process_group("gloo", init_method=f"file://{Path(rendezvous) / 'pg'}", rank=0, world_size=1)
+        state: GradqHookState | None = None
+        try:
+            x_train, y_train, x_test, y_test = load_digits_split(spec.seed)
+            torch.manual_seed(spec.seed)  # every starting host builds the same initial model
+            model = DistributedDataParallel(_model(x_train.shape[1], spec.hidden))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
+            state = GradqHookState(
+                spec.aggregator,
+                spec.config,
+                job_id=spec.job_id,
+                error_feedback=spec.error_feedback,
+                security=spec.security,
+                elastic_hosts=spec.hosts,
+            )
+            model.register_comm_hook(state, gradq_hook)
+            state.share(model, optimizer)
+            first = step = state.start()
+            client = state.client
+            assert client is not None
+            member = client.rank
+            while step < spec.steps:
+                batch = np.random.default_rng([spec.seed, step, member]).choice(len(y_train), spec.batch_size)
+                loss = nn.functional.cross_entropy(
+                    model(torch.from_numpy(x_train[batch])), torch.from_numpy(y_train[batch])
+                )
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                world = state.world()
+                if spec.on_step is not None:
+                    spec.on_step(
+                        ElasticStep(step, member, time.time(), loss.item(), _digest(model), world.ranks if world else 0)
+                    )
+                step += 1
+                if spec.step_sleep_s:
+                    time.sleep(spec.step_sleep_s)
+            with torch.no_grad():
+                logits = model.module(torch.from_numpy(x_test))
+                held_out = nn.functional.cross_entropy(logits, torch.from_numpy(y_test)).item()
+                accuracy = 100.0 * (logits.argmax(1).numpy() == y_test).mean()
+            return ElasticResult(member, first, step - first, held_out, float(accuracy), _digest(model))
+        finally:
+            if state is not None:
+                state.close()
+            dist.destroy_process_group()
+
+
+def _model(features: int, hidden: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+    )
+
+
+def _digest(model: nn.Module) -> str:
+    """SHA-256 of the parameters' bytes: two hosts agree bit for bit exactly when these are equal."""
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
