@@ -18,7 +18,15 @@ import grpc
 
 from gradq.server.errors import PermissionDeniedError
 
-__all__ = ["TokenScope", "TokenTable", "TokenAuthInterceptor", "bind_scope", "check_scope", "OPEN_METHOD_PREFIXES"]
+__all__ = [
+    "TokenScope",
+    "TokenTable",
+    "TokenAuthInterceptor",
+    "bind_scope",
+    "check_scope",
+    "scoped_rank",
+    "OPEN_METHOD_PREFIXES",
+]
 
 # Methods anyone may call: health probes and grpcurl's service listing.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -115,6 +123,15 @@ class TokenTable:
             if hmac.compare_digest(token.encode(), presented.encode()):
                 found = scope
         return found
+
+
+def scoped_rank(rank: int, any_rank: int) -> int:
+    """``rank``, or the token's own rank when ``rank`` is ``any_rank`` (an elastic Join asking for any member id).
+
+    A token bound to a rank thus joins as that member and no other; an unbound token lets the aggregator choose.
+    """
+    scope = _scope.get()
+    return scope.rank if rank == any_rank and scope is not None and scope.rank is not None else rank
 
 
 def check_scope(job_id: str, rank: int) -> None:

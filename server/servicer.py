@@ -22,9 +22,9 @@ import grpc
 
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
-from gradq.server.auth import check_scope
+from gradq.server.auth import check_scope, scoped_rank
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
-from gradq.server.jobs import Job
+from gradq.server.jobs import ANY_RANK, Job
 from gradq.server.liveness import Liveness
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.state_relay import StateHeader, StateRelays
@@ -112,21 +112,20 @@ class AggregatorServicer:
 
     async def Join(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.join_from_bytes, raw.take())
-        await _call(context, check_scope, request.job_id, request.rank)
+        rank = scoped_rank(request.rank, ANY_RANK)
+        await _call(context, check_scope, request.job_id, rank)
         peer = peer_host(context.peer())
         answer = await _in_pool(
             context,
             self.table.join_member,
             request.job_id,
-            request.rank,
+            rank,
             request.world_size,
             request.incarnation,
             peer,
             request.ranks or 1,
             request.elastic,
         )
-        if answer.rank != request.rank:  # an assigned member id is scoped like an asked-for one
-            await _call(context, check_scope, request.job_id, answer.rank)
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up
         )
@@ -287,7 +286,7 @@ class AggregatorServicer:
             if relay is not None:
                 relay.fail(error)
             await _abort(context, error)
-        except BaseException:  # the sender went away mid-stream (the call is cancelled)
+        except BaseException:  # the call itself was cancelled mid-stream
             if relay is not None:
                 relay.fail(UnavailableError(f"member {relay.header.sender if relay.header else '?'} stopped sending"))
             raise

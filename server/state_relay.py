@@ -53,6 +53,7 @@ class Relay:
     header: StateHeader | None = None  # set when a donor claims the relay
     relayed: int = 0
     closed: bool = False  # the joiner stopped waiting: a donor's next chunk is refused
+    broken: bool = False  # the transfer failed; the joiner has its error
     queue: asyncio.Queue[bytes | Exception | None] = field(default_factory=lambda: asyncio.Queue(RELAY_QUEUE_CHUNKS))
 
     async def put(self, data: bytes) -> None:
@@ -84,16 +85,21 @@ class Relay:
         """
         assert self.header is not None
         if self.relayed != self.header.total_bytes:
-            error = InvalidArgumentError(
-                f"the state ended at {self.relayed} of its total_bytes={self.header.total_bytes}"
-            )
-            self.fail(error)
-            raise error
+            # Whether the sender went away or closed its stream early, the joiner's transfer broke.
+            sent = f"{self.relayed} of its total_bytes={self.header.total_bytes}"
+            self.fail(UnavailableError(f"member {self.header.sender} stopped sending the state at {sent}"))
+            raise InvalidArgumentError(f"the state ended at {sent}")
         if not self.closed:
             await self.queue.put(None)
 
     def fail(self, error: Exception) -> None:
-        """The transfer broke: the joiner gets ``error`` next, instead of chunks that can no longer add up."""
+        """The transfer broke: the joiner gets ``error`` next, instead of chunks that can no longer add up.
+
+        Only the first failure counts: it says best what broke.
+        """
+        if self.broken:
+            return
+        self.broken = True
         while not self.queue.empty():
             self.queue.get_nowait()
         self.queue.put_nowait(error)

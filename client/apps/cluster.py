@@ -56,6 +56,8 @@ __all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
 
 # The exit status of a worker stopped by SIGTERM before it has a verdict (128 + SIGTERM, as a shell reports it).
 _STOPPED_STATUS = 128 + signal.SIGTERM
+# An elastic host's epoch: about one pass over the training split of its own batches of 32.
+_ELASTIC_STEPS_PER_EPOCH = 45
 
 
 class PeerDiscovery:
@@ -231,7 +233,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         f"{' or '.join(HOST_GROUPINGS)}: two-level where hosts hold several ranks, or every rank pushes alone",
         "auto",
     )
-    option("--epochs", "GRADQ_EPOCHS", "passes over the training split", 20, parse_integer(1))
+    option(
+        "--elastic-hosts",
+        "GRADQ_ELASTIC_HOSTS",
+        "0: one rank of a fixed DDP job (peers found by --peers); N: one host of an elastic job that starts "
+        "once N hosts joined, survives lost hosts and lets new ones join (needs --job-id; no peers, one aggregator)",
+        0,
+    )
+    option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 45 steps each)", 20, parse_integer(1))
     option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
     option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks (unset: rank 0 draws one per run)")
     option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS")
@@ -257,6 +266,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(status)
 
 
+def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespace, aggregators: list[str]) -> int:
+    """One host of an elastic job (see gradq.client.ddp.elastic): exit 0 at or above --min-accuracy."""
+    if args.job_id is None:
+        parser.error("--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it")
+    if len(aggregators) != 1:
+        parser.error(f"--elastic-hosts: an elastic job runs on one aggregator; got {len(aggregators)}")
+    try:
+        config = QuantConfig(scheme=args.scheme, bits=args.bits)
+        token = args.token_file.read_text().strip() if args.token_file else None
+        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    from gradq.client.apps.elastic_training import ElasticSpec, ElasticStep, train_elastic
+
+    def report(step: ElasticStep) -> None:
+        if step.step % _ELASTIC_STEPS_PER_EPOCH == 0:
+            print(f"member {step.member}: step {step.step}  loss {step.loss:.4f}  ranks {step.ranks}", flush=True)
+
+    spec = ElasticSpec(
+        aggregators[0],
+        args.job_id,
+        args.elastic_hosts,
+        steps=args.epochs * _ELASTIC_STEPS_PER_EPOCH,
+        config=config,
+        error_feedback=bool(args.error_feedback),
+        security=security,
+        on_step=report,
+    )
+    try:
+        result = train_elastic(spec)
+    except AggregationError as error:
+        print(f"gradq worker: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    passed = result.accuracy >= args.min_accuracy
+    print(
+        f"member {result.member}: steps {result.first_step}..{result.first_step + result.steps}, held-out loss "
+        f"{result.held_out_loss:.4f}, accuracy {result.accuracy:.1f}%; verdict: {'PASS' if passed else 'FAIL'}",
+        flush=True,
+    )
+    return 0 if passed else 1
+
+
 def _train_one_rank(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()
@@ -267,6 +318,8 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
     aggregators = args.aggregator or read_variable(None, "GRADQ_AGGREGATORS")
     if not aggregators:
         parser.error("no aggregator: give --aggregator host:port (repeatable) or GRADQ_AGGREGATORS=host:port,...")
+    if args.elastic_hosts:
+        return _train_elastic_host(parser, args, aggregators)
     if args.world_size is None:
         parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
     try:

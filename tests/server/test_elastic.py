@@ -1,0 +1,234 @@
+"""Elastic jobs on a real aggregator: member ids, pending joiners, the state relay, losses, and who may do what."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from conftest import StartAggregator
+
+from gradq.client import AggregationError, WorkerClient
+from gradq.client.elastic import ANY_RANK, JobWorld
+from gradq.client.security import ChannelSecurity
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.qcore import QuantConfig, Scheme
+from gradq.server.app import AggregatorServer
+from gradq.server.auth import TokenScope, TokenTable
+from gradq.server.policy import RoundPolicy
+from gradq.server.state_relay import RELAY_BYTES
+
+EXACT = QuantConfig(scheme=Scheme.FLOAT32)
+Host = Callable[..., WorkerClient]
+
+
+@pytest.fixture
+def server(start_aggregator: StartAggregator) -> AggregatorServer:
+    return start_aggregator(RoundPolicy(round_timeout_s=20.0))
+
+
+@pytest.fixture
+def host(server: AggregatorServer) -> Iterator[Host]:
+    """Joined elastic members of job 'e' (2 starting hosts); each closed at teardown."""
+    clients: list[WorkerClient] = []
+
+    def join(incarnation: str = "", **options: object) -> WorkerClient:
+        client = WorkerClient(
+            f"127.0.0.1:{server.port}",
+            "e",
+            ANY_RANK,
+            2,
+            EXACT,
+            elastic=True,
+            timeout_s=20,
+            incarnation=incarnation or f"run-{len(clients)}",
+            **options,  # type: ignore[arg-type]
+        )
+        clients.append(client)
+        client.join()
+        return client
+
+    yield join
+    for client in clients:
+        client.close()
+
+
+def wait_for_world(client: WorkerClient, done: Callable[[JobWorld], bool], timeout_s: float = 5.0) -> JobWorld:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        world = client.world
+        if world is not None and done(world):
+            return world
+        time.sleep(0.01)
+    raise AssertionError(f"the Watch stream never announced it; last: {client.world}")
+
+
+def test_members_get_the_lowest_free_ids_and_the_live_runs_incarnation(host: Host) -> None:
+    first, second = host("a"), host("b")
+    assert (first.rank, second.rank) == (0, 1)
+    assert first.incarnation == second.incarnation == "a"  # joined, not superseded
+    assert not first.catch_up and not second.catch_up  # the starting hosts
+    third = host("c")
+    assert (third.rank, third.incarnation, third.catch_up) == (2, "a", True)
+    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: member 2 of elastic .* is pending"):
+        third.push_pull(0, 0, np.ones(4, np.float32))
+    world = wait_for_world(first, lambda world: world.size == 2)
+    assert (world.members, world.ranks) == ((0, 1), 2)
+
+
+def test_elastic_and_fixed_joins_do_not_mix(host: Host, server: AggregatorServer) -> None:
+    host()
+    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: elastic=False does not match .* elastic"):
+        WorkerClient(f"127.0.0.1:{server.port}", "e", 0, 2, EXACT, timeout_s=5).join()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.AggregatorStub(channel).Join(pb.JoinRequest(job_id="fixed", rank=ANY_RANK, world_size=2), timeout=5)
+    finally:
+        channel.close()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank=4294967295 (any) is only valid in an elastic Join" in (refused.value.details() or "")
+
+
+def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(host: Host) -> None:
+    first, second = host(), host()
+    ones = np.ones(8, np.float32)
+    with ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(client.push_pull, 0, 0, ones * (client.rank + 1)) for client in (first, second)]
+        assert [f.result(timeout=10).tolist() for f in both] == [[1.5] * 8] * 2
+    waiting = ThreadPoolExecutor(1).submit(first.push_pull, 1, 0, ones)
+    time.sleep(0.3)
+    assert not waiting.done()
+    lost_at = time.monotonic()
+    second._watches[0].cancel()  # its Watch ends without a Leave: the aggregator takes it for lost
+    assert waiting.result(timeout=5).tolist() == [1.0] * 8  # the mean over the one member left
+    assert time.monotonic() - lost_at < 2.0
+    world = wait_for_world(first, lambda world: world.size == 1)
+    assert world.members == (0,) and world.ranks == 1
+
+
+def test_a_joiner_receives_the_state_relayed_and_trains_from_that_step(host: Host, server: AggregatorServer) -> None:
+    first, second = host(), host()
+    state = np.random.default_rng(0).bytes(3 * (1 << 20) + 12345)  # several relay chunks
+    joiner = host()
+    assert joiner.catch_up
+    fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    world = wait_for_world(first, lambda world: world.joiners == (2,))
+    assert world.donor == 0 and world.members == (0, 1)
+    # While it waits, the relay is charged to the job: the aggregator's budget holds it.
+    assert server.table.budget.in_use >= RELAY_BYTES
+    assert first.send_state(2, 7, state) == len(state)
+    received = fetched.result(timeout=10)
+    assert (received.data, received.step, received.sender) == (state, 7, 0)
+    assert not joiner.catch_up
+    assert wait_for_world(second, lambda world: world.size == 3).ranks == 3
+    # Step 7 now waits for all three; each gets the same mean.
+    with ThreadPoolExecutor(3) as pool:
+        means = [pool.submit(c.push_pull, 7, 0, np.full(4, c.rank, np.float32)) for c in (first, second, joiner)]
+        assert [m.result(timeout=10).tolist() for m in means] == [[1.0] * 4] * 3
+    assert server.table.budget.in_use < RELAY_BYTES  # the relay's charge is given back
+
+
+def test_the_relay_holds_back_a_sender_until_the_joiner_reads(host: Host) -> None:
+    first, _ = host(), host()
+    joiner = host()
+    stub = pb_grpc.AggregatorStub(grpc.insecure_channel(joiner.addresses[0]))
+    request = pb.StateRequest(job_id="e", rank=joiner.rank, incarnation=joiner.incarnation)
+    stream = stub.FetchState(request, timeout=30)
+    wait_for_world(first, lambda world: world.joiners == (2,))
+    state = bytes(64 << 20)  # far more than the relay (4 MiB) and HTTP/2's windows hold
+    sending: Future[int] = ThreadPoolExecutor(1).submit(first.send_state, 2, 3, state)
+    time.sleep(2.0)
+    assert not sending.done()  # held back: the aggregator does not buffer what the joiner has not read
+    assert sum(len(chunk.data) for chunk in stream) == len(state)
+    assert sending.result(timeout=10) == len(state)
+
+
+def test_a_sender_that_goes_away_fails_the_joiner_and_nothing_is_left_waiting(host: Host) -> None:
+    first, _ = host(), host()
+    joiner = host()
+    fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    wait_for_world(first, lambda world: world.joiners == (2,))
+    header = pb.StateChunk(job_id="e", rank=0, incarnation=first.incarnation, joiner=2, step=1, total_bytes=10 << 20)
+    started = threading.Event()
+
+    def half_then_stop() -> Iterator[pb.StateChunk]:
+        first_chunk = pb.StateChunk()
+        first_chunk.CopyFrom(header)
+        first_chunk.data = bytes(1 << 20)
+        yield first_chunk
+        started.set()
+        time.sleep(30)  # cancelled long before
+
+    stub = pb_grpc.AggregatorStub(grpc.insecure_channel(first.addresses[0]))
+    call = stub.PutState.future(half_then_stop(), timeout=30)
+    assert started.wait(5)
+    time.sleep(0.3)
+    call.cancel()
+    with pytest.raises(AggregationError, match=r"UNAVAILABLE: receiving the training state: member 0 stopped sending"):
+        fetched.result(timeout=10)
+
+
+def test_only_a_pending_member_fetches_and_only_a_training_member_sends(host: Host) -> None:
+    first, _ = host(), host()
+    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .*member 0 .* trains already"):
+        first.fetch_state()
+    with pytest.raises(
+        AggregationError, match=r"FAILED_PRECONDITION: sending the training state: member 5 of .* is not waiting"
+    ):
+        first.send_state(5, 1, b"x")
+    joiner = host()
+    ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    wait_for_world(first, lambda world: world.joiners == (2,))
+    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .*waiting for the state already"):
+        joiner.fetch_state()
+    with pytest.raises(
+        AggregationError, match=r"FAILED_PRECONDITION: sending the training state: member 2 of elastic .* is pending"
+    ):
+        joiner.send_state(2, 1, b"x")  # a pending member cannot admit itself
+    with pytest.raises(AggregationError, match=r"INVALID_ARGUMENT: the state ended at 1 of its total_bytes=2"):
+        header = pb.StateChunk(job_id="e", rank=0, incarnation=first.incarnation, joiner=2, step=1, total_bytes=2)
+        header.data = b"x"
+        stub = pb_grpc.AggregatorStub(grpc.insecure_channel(first.addresses[0]))
+        try:
+            stub.PutState(iter([header]), timeout=5)
+        except grpc.RpcError as error:
+            raise AggregationError("server", error.code(), error.details() or "") from None
+
+
+def test_tokens_scope_elastic_joins_fetches_and_sends(start_aggregator: StartAggregator) -> None:
+    tokens = {
+        "team-a-token-000000": TokenScope(job="team-a*"),
+        "team-b-token-000000": TokenScope(job="team-b*"),
+        "team-a-rank-3-token": TokenScope(job="team-a*", rank=3),
+    }
+    server = start_aggregator(RoundPolicy(round_timeout_s=20.0), tokens=TokenTable(tokens))
+    address = f"127.0.0.1:{server.port}"
+
+    def member(token: str, job: str = "team-a-1") -> WorkerClient:
+        security = ChannelSecurity(token=token)
+        return WorkerClient(address, job, ANY_RANK, 1, EXACT, elastic=True, timeout_s=10, security=security)
+
+    owner = member("team-a-token-000000")
+    owner.join()
+    try:
+        intruder = member("team-b-token-000000")
+        with pytest.raises(AggregationError, match=r"PERMISSION_DENIED: this token is bound to jobs starting with"):
+            intruder.join()
+        intruder.rank, intruder.incarnation = 1, owner.incarnation
+        with pytest.raises(AggregationError, match=r"PERMISSION_DENIED"):
+            intruder.fetch_state()
+        with pytest.raises(AggregationError, match=r"PERMISSION_DENIED"):
+            intruder.send_state(1, 1, b"x")
+        bound = member("team-a-rank-3-token")
+        bound.join()  # asks for any member id; its token makes it member 3
+        assert (bound.rank, bound.catch_up) == (3, True)
+        bound.close()
+        intruder.close()
+    finally:
+        owner.close()
