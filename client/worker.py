@@ -184,10 +184,11 @@ class WorkerClient:
         Raises:
             AggregationError: a shard refused the join or could not be reached.
         """
+        # Load the compiled kernels first, so the first push is not charged for it (nor an
+        # elastic joiner's wait for the state, which begins at the Join).
+        decode(encode(np.zeros(8, np.float32), self.config))
         for shard in range(len(self._stubs)):
             self._join_shard(shard)
-        # Load the compiled kernels now, so the first push is not charged for it.
-        decode(encode(np.zeros(8, np.float32), self.config))
 
     def _rejoin_shard(self, shard: int) -> None:
         self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))

@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the same on every host")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause after each step")
     parser.add_argument("--report", type=Path, help="append JSON lines: one per step, then the result")
+    parser.add_argument(
+        "--join-when", type=Path, help="a standby host: load everything, then join once this file exists"
+    )
     args = parser.parse_args()
 
     def write(kind: str, record: Any) -> None:
@@ -61,6 +64,7 @@ def main() -> None:
         seed=args.seed,
         step_sleep_s=args.step_sleep,
         on_step=on_step,
+        join_when=args.join_when,
     )
     result = train_elastic(spec)
     write("result", result)

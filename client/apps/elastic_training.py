@@ -10,6 +10,7 @@ data does not depend on when a host came or went.
 from __future__ import annotations
 
 import hashlib
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradq.client.apps.training import load_digits_split
 from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.client.security import ChannelSecurity
-from gradq.qcore import QuantConfig
+from gradq.qcore import QuantConfig, decode, encode
 
 __all__ = ["ElasticSpec", "ElasticStep", "ElasticResult", "train_elastic"]
 
@@ -64,9 +65,11 @@ class ElasticSpec:
         hosts: the hosts the job starts with (``elastic_hosts``).
         steps: train until this step (a joiner starts at the step it receives).
         config, error_feedback, security: the hook's.
-        batch_size, learning_rate, seed, hidden: the usual (AdamW).
+        batch_size, learning_rate, seed, hidden: the usual (AdamW; the rate
+            decays on a cosine to 0 at ``steps``, a function of the step alone).
         step_sleep_s: pause after each step (a benchmark's stand-in for a bigger model's compute).
         on_step: called after every step.
+        join_when: a standby host: build everything, then join only once this file exists.
     """
 
     aggregator: str
@@ -76,12 +79,13 @@ class ElasticSpec:
     config: QuantConfig = field(default_factory=QuantConfig)
     error_feedback: bool = False
     security: ChannelSecurity | None = None
-    batch_size: int = 32
-    learning_rate: float = 3e-3
+    batch_size: int = 128
+    learning_rate: float = 1e-3
     seed: int = 0
     hidden: int = 64
     step_sleep_s: float = 0.0
     on_step: Callable[[ElasticStep], None] | None = None
+    join_when: Path | None = None
 
 
 def train_elastic(spec: ElasticSpec) -> ElasticResult:
@@ -106,11 +110,17 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
             )
             model.register_comm_hook(state, gradq_hook)
             state.share(model, optimizer)
+            if spec.join_when is not None:
+                decode(encode(np.zeros(8, np.float32), spec.config))  # warm: the kernels load now, not at the Join
+                while not spec.join_when.exists():
+                    time.sleep(0.01)
             first = step = state.start()
             client = state.client
             assert client is not None
             member = client.rank
             while step < spec.steps:
+                for group in optimizer.param_groups:
+                    group["lr"] = spec.learning_rate * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
                 batch = np.random.default_rng([spec.seed, step, member]).choice(len(y_train), spec.batch_size)
                 loss = nn.functional.cross_entropy(
                     model(torch.from_numpy(x_train[batch])), torch.from_numpy(y_train[batch])

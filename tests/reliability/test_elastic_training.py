@@ -1,0 +1,97 @@
+"""Elastic training with real hosts and a real `gradq serve`: a host killed mid-run, a replacement that catches up.
+
+Three host processes train the digits MLP (examples/elastic_train.py, AdamW,
+8 bits). One is stopped for a second (not lost), another SIGKILLed at step
+~20: the survivors' next step completes within seconds, without a restart. A
+replacement (kept warm, joining at step ~40) receives the state and, after its first step,
+holds the survivors' parameters bit for bit. The run ends within 1% of the
+held-out loss of an uninterrupted run with the same seed (3%: see LOSS_TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from elastic_hosts import ElasticHost, finish, start_host, wait_for
+
+from gradq.server.process import free_port, spawn_aggregator
+
+HOSTS = 3
+STEPS = 400
+# How far the final held-out loss may be from the uninterrupted run's. The 20-odd steps averaged over two
+# hosts instead of three move it by themselves: in exact fp32, without gradq, this task's setting
+# (400 steps, batches of 128, AdamW at 1e-3) ends 0.2-1.4% off over seeds 0-2 (0.2-3.2% with batches of 32).
+LOSS_TOLERANCE = 0.03
+STEP_SLEEP_S = 0.02  # a stand-in for a bigger model's compute: the replacement joins within a few steps
+
+
+@pytest.fixture
+def address() -> Iterator[str]:
+    port = free_port()
+    process: subprocess.Popen[bytes] = spawn_aggregator("--log-level", "WARNING", port=port)[0]
+    yield f"127.0.0.1:{port}"
+    process.kill()
+    process.wait()
+
+
+def test_survivors_train_on_and_a_replacement_catches_up_bit_for_bit(address: str, tmp_path: Path) -> None:
+    hosts = [start_host(address, "elastic", HOSTS, STEPS, tmp_path / f"host{i}.jsonl", STEP_SLEEP_S) for i in range(3)]
+    # The replacement starts now, kept warm (torch loaded, model built), and joins at step ~40.
+    go = tmp_path / "join"
+    replacement = start_host(address, "elastic", HOSTS, STEPS, tmp_path / "replacement.jsonl", STEP_SLEEP_S, go)
+    stopped, victim = hosts[0], hosts[2]
+    try:
+        wait_for("every host at step 8", lambda: min(h.last_step() for h in hosts) >= 8, 120, hosts)
+        os.kill(stopped.process.pid, signal.SIGSTOP)  # a slow host (a GC pause) is not a lost one
+        time.sleep(1.0)
+        os.kill(stopped.process.pid, signal.SIGCONT)
+        wait_for("the victim at step 20", lambda: victim.last_step() >= 20, 60, hosts)
+        victim.process.kill()
+        killed_at = time.time()
+        survivors = hosts[:2]
+        wait_for("the survivors at step 40", lambda: min(h.last_step() for h in survivors) >= 40, 60, hosts)
+        go.touch()
+        finish([*survivors, replacement], timeout_s=240)
+    finally:
+        for host in (*hosts, replacement):
+            host.process.kill()
+            host.process.wait()
+
+    steps = [host.steps() for host in survivors]
+    # The stop did not lose anyone: the steps right after it still count three hosts.
+    assert all(steps[0][step]["ranks"] == HOSTS for step in range(12, 16))
+    # The survivors' first step after the kill completed within seconds, over the two of them.
+    for survivor in steps:
+        after = min((record for record in survivor.values() if record["finished_at"] > killed_at), key=_step)
+        assert after["finished_at"] - killed_at < 5.0, after
+    assert steps[0][39]["ranks"] == 2
+    joined = min(replacement.steps())
+    assert 40 < joined < 60, joined
+    assert replacement.steps()[joined]["parameters_sha256"] == steps[0][joined]["parameters_sha256"]
+    assert steps[0][joined + 5]["ranks"] == HOSTS
+    results = [host.result() for host in (*survivors, replacement)]
+    assert len({result["parameters_sha256"] for result in results}) == 1
+    assert results[2]["first_step"] == joined
+
+    uninterrupted = _uninterrupted_run(address, tmp_path)
+    loss, reference = results[0]["held_out_loss"], uninterrupted["held_out_loss"]
+    assert abs(loss - reference) <= LOSS_TOLERANCE * reference, (loss, reference)
+
+
+def _uninterrupted_run(address: str, tmp_path: Path) -> dict[str, float]:
+    """The same job with the same seed, no host lost: its held-out loss."""
+    hosts: list[ElasticHost] = [
+        start_host(address, "uninterrupted", HOSTS, STEPS, tmp_path / f"whole{i}.jsonl", 0.0) for i in range(3)
+    ]
+    finish(hosts, timeout_s=240)
+    return hosts[0].result()
+
+
+def _step(record: dict[str, float]) -> float:
+    return record["step"]
