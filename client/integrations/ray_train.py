@@ -1,4 +1,4 @@
-"""Ray Train: ``state = use_gradq(model, config)`` in ``train_func`` trains the model ``prepare_model`` returned through gradq.
+"""Ray Train: ``use_gradq(model, config)`` in ``train_func`` trains the model ``prepare_model`` returned through gradq.
 
 Ray Train takes no comm hook: ``ray.train.torch.prepare_model(model)`` returns
 a DistributedDataParallel (when the worker group has 2 or more workers), on

@@ -76,10 +76,10 @@ def train_func(config: dict[str, Any]) -> None:
 
 
 def misuse_func(config: dict[str, Any]) -> None:
-    """At world size 1: report the errors for no aggregator address, an unknown gradq key and a model Ray did not wrap."""
+    """At world size 1: report the errors for no aggregator address, an unknown gradq key, a model Ray did not wrap."""
     model = ray.train.torch.prepare_model(nn.Linear(2, 2))
-    errors = {}
-    cases = {
+    errors: dict[str, str] = {}
+    cases: dict[str, dict[str, Any]] = {
         "no_address": {},
         "unknown_key": {"gradq_aggregators": "127.0.0.1:1", "gradq_bitz": 4},
         "not_ddp": {"gradq_aggregators": "127.0.0.1:1"},

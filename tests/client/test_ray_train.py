@@ -95,4 +95,3 @@ def test_misuse_gets_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "gradient buckets, so it has nothing to hook into; this Ray Train worker group has world size 1 and "
         "prepare_model wraps nothing in DDP; run ScalingConfig(num_workers=2) or more"
     )
-
