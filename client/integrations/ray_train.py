@@ -52,6 +52,7 @@ def use_gradq(
             ``model`` is not a DistributedDataParallel (a worker group of 1, or the model
             before ``prepare_model``), or ``use_gradq`` was already called on it.
         ValueError: a ``gradq_*`` key or GRADQ_* variable holds a bad value.
+        RuntimeError: called outside a Ray Train worker (Ray's ``get_context`` refuses).
     """
     context = ray.train.get_context()
     world_size = context.get_world_size()
@@ -62,7 +63,8 @@ def use_gradq(
         )
     else:
         fix = "pass the model ray.train.torch.prepare_model(model) returns"
-    if registered_state(model) is not None and registered_state(model) is not state:
+    registered = registered_state(model)
+    if registered is not None and registered is not state:
         raise GradqIntegrationError(
             "use_gradq(model) was already called on this model; call it once per model (DDP takes one comm hook)"
         )

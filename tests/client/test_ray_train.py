@@ -12,12 +12,13 @@ from dependencies import require_module
 
 from gradq.server.app import AggregatorServer
 
+require_module("ray", "ray")  # every test here runs Ray Train (the train loops import it)
+
 STEPS = 8
 
 
 def fit(train_func: Any, config: dict[str, Any], tmp_path: Path, workers: int, max_failures: int = 0) -> None:
     """Run ``train_func`` in a TorchTrainer of ``workers`` CPU workers (0: Ray Train's local mode, in this process)."""
-    require_module("ray", "ray")
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
