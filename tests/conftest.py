@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -80,3 +81,26 @@ def group() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster of 2 CPUs whose workers import tests/client's modules; shut down (every process) after."""
+    from dependencies import require_module
+
+    ray = require_module("ray", "ray")
+    with pytest.MonkeyPatch.context() as patch:
+        # Inherited by the cluster's processes: one thread per worker on 2 shared cores, nothing sent home.
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray Train's helpers a test does not need (each an actor polling on the 2 busy cores), and more time for
+        # a worker group to start there than the 60 s default.
+        patch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        patch.setenv("RAY_TRAIN_METRICS_ENABLED", "0")
+        patch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+        tests_client = str(Path(__file__).parent / "client")
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": tests_client}})
+        try:
+            yield
+        finally:
+            ray.shutdown()

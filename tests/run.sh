@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch,demo,accelerate,transformers]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c tests/constraints.txt -e '.[dev,torch,demo,accelerate,transformers,ray]'
 
 echo "== ruff"
 .venv/bin/ruff check .

@@ -26,6 +26,7 @@ CASES = [
     ("gradq.client.apps.cluster", ("torch", "gradq.server")),
     ("gradq.client.integrations.accelerate", ("gradq.server", "accelerate", "transformers")),
     ("gradq.client.integrations.transformers", ("gradq.server",)),
+    ("gradq.client.integrations.ray_train", ("gradq.server", "accelerate", "transformers")),
     ("gradq.cli", ("torch", "grpc", "numpy")),
 ]
 

@@ -1,5 +1,6 @@
-"""One line each for the trainers people already use: Accelerate (``use_gradq``) and the HF Trainer (``GradqCallback``).
+"""One line each for the trainers people already use: Accelerate, the HF Trainer and Ray Train.
 
-Each lives in its own module and imports its framework only by duck typing,
-so importing one never needs the other's package installed.
+Each lives in its own module (``accelerate``, ``transformers``, ``ray_train``)
+and imports no other integration's framework, so importing one never needs
+the others' packages installed.
 """

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState, gradq_hook
 
-__all__ = ["GradqIntegrationError", "register_once"]
+__all__ = ["GradqIntegrationError", "register_once", "registered_state"]
 
 # DDP models gradq was registered on: DDP accepts one comm hook per model, and the
 # frameworks hand the same DDP object back (a second train(), a second prepare).
@@ -58,3 +58,8 @@ def register_once(model: nn.Module, state: GradqHookState, where: str, fix: str)
         ) from error
     _registered[model] = state
     return model
+
+
+def registered_state(model: nn.Module) -> GradqHookState | None:
+    """The state gradq was registered with on ``model`` by ``register_once``; None if it was not."""
+    return _registered.get(model) if isinstance(model, DistributedDataParallel) else None

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState
-from gradq.client.integrations.registration import GradqIntegrationError, register_once
+from gradq.client.integrations.registration import GradqIntegrationError, register_once, registered_state
 
 
 @pytest.fixture
@@ -25,7 +25,9 @@ def ddp_model() -> Iterator[DistributedDataParallel]:
 
 def test_registering_again_with_the_same_state_keeps_the_hook(ddp_model: DistributedDataParallel) -> None:
     state = GradqHookState("127.0.0.1:1")
+    assert registered_state(ddp_model) is None
     assert register_once(ddp_model, state, "prepare", "fix it") is ddp_model
+    assert registered_state(ddp_model) is state
     assert register_once(ddp_model, state, "prepare", "fix it") is ddp_model  # a second train(): no error
     with pytest.raises(GradqIntegrationError, match="already trains through gradq with another GradqHookState"):
         register_once(ddp_model, GradqHookState("127.0.0.1:1"), "prepare", "fix it")
@@ -40,3 +42,4 @@ def test_a_model_with_another_comm_hook_is_refused(ddp_model: DistributedDataPar
 def test_a_bare_module_is_refused_naming_the_call_and_the_fix() -> None:
     with pytest.raises(GradqIntegrationError, match=r"^prepare returned a Linear, not a torch Distr.*; launch more$"):
         register_once(nn.Linear(2, 2), GradqHookState("127.0.0.1:1"), "prepare", "launch more")
+    assert registered_state(nn.Linear(2, 2)) is None
