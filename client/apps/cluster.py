@@ -56,8 +56,8 @@ __all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
 
 # The exit status of a worker stopped by SIGTERM before it has a verdict (128 + SIGTERM, as a shell reports it).
 _STOPPED_STATUS = 128 + signal.SIGTERM
-# An elastic host's epoch: about one pass over the training split (1437 digits) in its batches of 128.
-_ELASTIC_STEPS_PER_EPOCH = 12
+# An elastic host's epoch: about two passes over the training split (1437 digits) in its batches of 128.
+_ELASTIC_STEPS_PER_EPOCH = 24
 
 
 class PeerDiscovery:
@@ -240,7 +240,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "once N hosts joined, survives lost hosts and lets new ones join (needs --job-id; no peers, one aggregator)",
         0,
     )
-    option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 12 steps each)", 20, parse_integer(1))
+    option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 24 steps each)", 20, parse_integer(1))
     option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
     option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks (unset: rank 0 draws one per run)")
     option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS")
@@ -278,6 +278,12 @@ def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespac
         security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    try:
+        wait_for_aggregators(aggregators, args.connect_timeout, security)
+    except AggregationError as error:
+        print(f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS)", file=sys.stderr, flush=True)
+        return 2
+    print(f"elastic host of job {args.job_id!r}: aggregator {aggregators[0]} serving; loading torch", flush=True)
     from gradq.client.apps.elastic_training import ElasticSpec, ElasticStep, train_elastic
 
     def report(step: ElasticStep) -> None:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from gradq.client.ddp.env import quantized_scheme_names
+from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
 QUANTIZED = ", ".join(quantized_scheme_names())
@@ -26,6 +27,14 @@ def gradq(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
         env={**clean, **(env or {})},
         timeout=timeout,
     )
+
+
+def gradq_process(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start `gradq ARGS` like ``gradq``, output merged into stdout."""
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("GRADQ_")}
+    command = [sys.executable, "-m", "gradq.cli", *args]
+    environment = {**clean, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
 
 
 def error_line(completed: subprocess.CompletedProcess[str]) -> str:
@@ -59,6 +68,17 @@ def error_line(completed: subprocess.CompletedProcess[str]) -> str:
         (["--scheme", "fp16"], {}, f"argument --scheme: 'fp16' is invalid; expected one of: {QUANTIZED}"),
         (["--connect-timeout", "0"], {}, "argument --connect-timeout: '0' is invalid; expected a number > 0"),
         (["--master-port", "0"], {}, "argument --master-port: '0' is invalid; expected an integer in 1..65535"),
+        ([], {"GRADQ_ELASTIC_HOSTS": "-1"}, "GRADQ_ELASTIC_HOSTS='-1' is invalid; expected an integer >= 0"),
+        (
+            ["--elastic-hosts", "2"],
+            {"GRADQ_AGGREGATORS": "a:1"},
+            "--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it",
+        ),
+        (
+            ["--elastic-hosts", "2", "--job-id", "j"],
+            {"GRADQ_AGGREGATORS": "a:1,b:2"},
+            "--elastic-hosts: an elastic job runs on one aggregator; got 2",
+        ),
     ],
 )
 def test_gradq_worker_names_a_bad_flag_or_variable_and_exits_2(
@@ -142,3 +162,15 @@ def test_gradq_demo_reports_the_bits_the_codec_sends() -> None:
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "| gradq 1-bit per_channel_sign + EF " in completed.stdout
     assert "4-bit" not in completed.stdout
+
+
+def test_gradq_worker_elastic_hosts_train_one_job_without_peers(aggregator: AggregatorServer) -> None:
+    environment = {"GRADQ_AGGREGATORS": f"127.0.0.1:{aggregator.port}", "GRADQ_JOB_ID": "elastic-cli"}
+    flags = ["--elastic-hosts", "2", "--epochs", "5", "--min-accuracy", "70"]
+    hosts = [gradq_process("worker", *flags, env=environment) for _ in range(2)]
+    outputs = [host.communicate(timeout=240)[0] for host in hosts]
+    for host, output in zip(hosts, outputs, strict=True):
+        assert host.returncode == 0, output
+        assert re.search(r"member [01]: steps 0\.\.120, held-out loss [0-9.]+, accuracy [0-9.]+%; verdict: PASS", output)
+    assert aggregator.table.counters["rounds_failed"] == 0
+    assert aggregator.table.counters["rounds_completed"] >= 120
