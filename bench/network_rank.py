@@ -253,6 +253,7 @@ def measure_method(
         tx_before, rx_before = netns.read_counters(netns.HOST_DEVICE)
         cpu_before = read_cpu_times()
         aggregator_cpu_before = read_process_cpu_s(spec.aggregator_pids)
+        own_cpu_before = time.process_time()
         step_s, window_s, tail_s = [], [], []
         for step in range(spec.steps):
             if timer is not None:
@@ -264,6 +265,7 @@ def measure_method(
                 tail_s.append(backward_done - timer.last_entry)
         cpu = read_cpu_times() - cpu_before
         aggregator_cpu_s = read_process_cpu_s(spec.aggregator_pids) - aggregator_cpu_before
+        rank_cpu_s = time.process_time() - own_cpu_before
         dist.barrier()  # every peer has received what this rank sent: the counters are complete
         tx_after, rx_after = netns.read_counters(netns.HOST_DEVICE)
     finally:
@@ -281,6 +283,7 @@ def measure_method(
         cpu_busy_s=cpu.busy_s,
         cpu_total_s=cpu.total_s,
         aggregator_cpu_s=aggregator_cpu_s,
+        rank_cpu_s=rank_cpu_s,
     )
 
 

@@ -108,6 +108,7 @@ class MethodResult:
     cpu_busy_s: float = 0.0  # the machine's busy CPU time over the timed steps, all cores
     cpu_total_s: float = 0.0  # busy + idle time of all cores over the same interval
     aggregator_cpu_s: float = 0.0  # CPU time of the aggregator shards' processes over the same interval
+    rank_cpu_s: float = 0.0  # CPU time of this rank's own process (all its threads) over its timed steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,7 @@ class Row:
     cpu_ms: float  # the machine's CPU time per timed step (rank 0's reading), all cores together
     busy: float | None  # share of the cores' time that was busy over the timed steps
     aggregator_cpu_ms: float  # the aggregator shards' CPU time per timed step (rank 0's reading)
+    processes_cpu_ms: float = 0.0  # every rank's own CPU time plus the shards', per timed step
 
     @property
     def cpu_floor_ms(self) -> float:
@@ -205,6 +207,9 @@ def make_row(scenario: Scenario, method: Method, per_rank: Sequence[MethodResult
         cpu_ms=1e3 * first.cpu_busy_s / len(first.step_s),
         busy=first.cpu_busy_s / first.cpu_total_s if first.cpu_total_s > 0 else None,
         aggregator_cpu_ms=1e3 * first.aggregator_cpu_s / len(first.step_s),
+        processes_cpu_ms=1e3
+        * (sum(result.rank_cpu_s for result in per_rank) + first.aggregator_cpu_s)
+        / len(first.step_s),
     )
 
 
@@ -230,8 +235,8 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
     lines = [
         "| world | links | method | ms/step | x faster than allreduce | compute-only ms | exposed comm ms "
         "| link ms [a] | overlap % [b] | tail ms [b] | wire MB sent/worker/step [c] | wire MB received/worker/step "
-        f"| machine CPU ms/step [g] | cores busy % [g] | CPU ms / {CORES} cores [g] |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| machine CPU ms/step [g] | cores busy % [g] | CPU ms / {CORES} cores [g] | ranks + shards CPU ms/step [h] |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         scenario = row.scenario
@@ -246,7 +251,7 @@ def _main_table(rows: Sequence[Row], model: str) -> list[str]:
             f"| {format_optional(None if compute_ms is None else row.step_ms - compute_ms, '.1f')} "
             f"| {format_optional(row.link_ms(), '.1f')} | {format_percent(row.overlap)} "
             f"| {format_optional(row.tail_ms, '.1f')} | {row.tx_per_step / MEGA:.2f} | {row.rx_per_step / MEGA:.2f} "
-            f"| {row.cpu_ms:.1f} | {format_percent(row.busy)} | {row.cpu_floor_ms:.1f} |"
+            f"| {row.cpu_ms:.1f} | {format_percent(row.busy)} | {row.cpu_floor_ms:.1f} | {row.processes_cpu_ms:.1f} |"
         )
     return lines
 
@@ -301,7 +306,11 @@ FOOTNOTES = """\
     per step (every rank and shard, and the kernel's veth, bridge and tc work, which no
     process is charged for), and the share of the cores it kept busy. Every emulated host
     shares this machine's cores, so a row near 100% busy is CPU-bound here, not
-    link-bound: it cannot step faster than the last column, CPU ms / cores."""
+    link-bound: it cannot step faster than the last column, CPU ms / cores.
+[h] The bench's own processes only: each rank's CPU time (all its threads, user + system)
+    over its timed steps, summed over the ranks, plus the aggregator shards' over rank 0's,
+    per step. Other work on the machine does not enter it, as it does [g]; the kernel's
+    softirq work for the links, which no process is charged for, does not either."""
 
 SHARD_FOOTNOTES = """\
 [d] Share of the gradient elements on the busiest shard, by the client's own rules
