@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -232,3 +234,30 @@ def test_tokens_scope_elastic_joins_fetches_and_sends(start_aggregator: StartAgg
         intruder.close()
     finally:
         owner.close()
+
+
+def test_membership_changes_are_counted_in_the_metrics(start_aggregator: StartAggregator) -> None:
+    server = start_aggregator(RoundPolicy(round_timeout_s=20.0), metrics_port=0)
+    assert server.metrics_port is not None
+    address = f"127.0.0.1:{server.port}"
+    members = [WorkerClient(address, "m", ANY_RANK, 2, EXACT, elastic=True, timeout_s=10) for _ in range(3)]
+    for member in members:
+        member.join()
+    members[1]._watches[0].cancel()  # lost
+    deadline = time.monotonic() + 5
+    while (counts := _membership(server.metrics_port)).get("rank_lost", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as answer:
+        members_training = answer.read().decode()
+    for member in members:
+        member.close()
+    assert counts == {"joined": 2, "pending": 1, "rank_lost": 1}
+    assert 'gradq_job_members{job="m"} 1.0' in members_training
+
+
+def _membership(port: int) -> dict[str, int]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = re.findall(r'gradq_membership_events_total\{event="(\w+)",job="m"\} ([0-9.]+)', text)
+    found += re.findall(r'gradq_membership_events_total\{job="m",event="(\w+)"\} ([0-9.]+)', text)
+    return {event: int(float(count)) for event, count in found}
