@@ -81,6 +81,8 @@ class Method:
     rounding: str = "nearest"
     server_flags: tuple[str, ...] = ()  # `gradq serve` flags of the aggregator this row needs
     two_level: bool = False  # reduce inside each host of --hosts first (host=...); otherwise host_grouping="flat"
+    bit_policy: str = "uniform"  # "adaptive": more bits for 1-D and hard parameters (gradq.client.bit_policy)
+    average_bits: float = 2.5  # the adaptive policy's target
 
 
 MAIN_METHODS = (
@@ -95,7 +97,34 @@ MAIN_METHODS = (
 )
 # Techniques tried on the low-bit rows (--methods picks them): each changes one thing.
 _SERVER_FEEDBACK = ("--server-error-feedback", "true")
+# The aggregator's default before issue 26: the mean re-encoded to nearest with no residual (biased at low bits).
+_NO_SERVER_FEEDBACK = ("--server-error-feedback", "false")
 CANDIDATE_METHODS = (
+    Method(
+        "gradq2ef-adaptive",
+        "gradq 2-bit + EF, adaptive bits (average 2.5)",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        bit_policy="adaptive",
+    ),
+    Method(
+        "gradq2ef-nosef",
+        "gradq 2-bit + EF, no server EF (before issue 26)",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        server_flags=_NO_SERVER_FEEDBACK,
+    ),
+    Method(
+        "gradq1sign-nosef",
+        "gradq 1-bit scaled sign + EF, no server EF (before issue 26)",
+        "gradq1sign-2",
+        bits=1,
+        scheme="per_channel_sign",
+        error_feedback=True,
+        server_flags=_NO_SERVER_FEEDBACK,
+    ),
     Method(
         "gradq2ef-sef",
         "gradq 2-bit + EF, server EF",
@@ -273,6 +302,8 @@ def _attach(
             job_id=job_id,
             host_grouping="auto" if method.two_level else "flat",
             host=f"host{rank // spec.ranks_per_host}" if method.two_level else None,
+            bit_policy=method.bit_policy,
+            average_bits=method.average_bits,
         )
         model.register_comm_hook(state, gradq_hook)
         return state

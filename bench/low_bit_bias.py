@@ -97,7 +97,7 @@ class RowState:
             sent = [decode(ef.encode(0, g, self.push, rng=self.rng)) for ef, g in zip(self.ranks, grads, strict=True)]
         else:
             sent = list(grads)
-        mean = np.mean(sent, axis=0, dtype=np.float32)
+        mean = _mean(sent)
         if self.back is None:
             return mean
         if self.row.back == "same-ef":
@@ -123,10 +123,14 @@ class ShadowAdamW:
         theta -= lr * m_hat / (np.sqrt(v_hat) + 1e-8)
 
 
+def _mean(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.asarray(np.mean(arrays, axis=0, dtype=np.float32))
+
+
 def _flat_grads(model: torch.nn.Module) -> np.ndarray:
     # DDP lays a bucket out in reverse parameter order; one bucket holds these small models.
-    params = [p for p in model.parameters() if p.grad is not None][::-1]
-    return torch.cat([p.grad.reshape(-1) for p in params]).numpy().astype(np.float32)
+    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None][::-1]
+    return torch.cat(grads).numpy().astype(np.float32)
 
 
 def measure(task: Task, push: QuantConfig, steps: int, rows: Sequence[Row]) -> list[dict[str, float]]:
@@ -149,14 +153,14 @@ def measure(task: Task, push: QuantConfig, steps: int, rows: Sequence[Row]) -> l
             inputs, targets = task.batch(rank, step, SEED)
             task.loss(model(inputs), targets).backward()
             grads.append(_flat_grads(model))
-        mean = np.mean(grads, axis=0, dtype=np.float32)
+        mean = _mean(grads)
         mean_sum += mean
         exact.step(theta_exact, mean.astype(np.float64), lr)
         for path, theta in zip(paths, thetas, strict=True):
             delivered = path.deliver(grads)
             error = delivered.astype(np.float64) - mean
             path.error_sum += error
-            path.noise.append(float(np.linalg.norm(error) / max(np.linalg.norm(mean), 1e-30)))
+            path.noise.append(float(np.linalg.norm(error)) / max(float(np.linalg.norm(mean)), 1e-30))
             path.adam.step(theta, delivered.astype(np.float64), lr)
         # The model follows the exact mean, so every row sees the same gradients.
         with torch.no_grad():
