@@ -64,8 +64,8 @@ class Row:
 ROWS = (
     Row("push leg only (EF), mean back in fp32", push=True, back="fp32"),
     Row("return leg only: exact mean, back on the push grid", push=False, back="same"),
-    Row("full path, mean back on the push grid, nearest (old default)", push=True, back="same"),
-    Row("full path, mean back on the push grid + server EF", push=True, back="same-ef"),
+    Row("full path, mean back on the push grid, no server EF (the default before issue 26)", push=True, back="same"),
+    Row("full path, mean back on the push grid + server EF (the default now)", push=True, back="same-ef"),
     Row("full path, mean back on the push grid, stochastic", push=True, back="same-sr"),
     Row("full path, mean back at 8 bits, nearest", push=True, back="8bit"),
 )
