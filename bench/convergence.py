@@ -150,6 +150,14 @@ CANDIDATE_METHODS = (
         server_flags=("--return-scheme", "per_channel_affine", "--return-bits", "8"),
     ),
     Method(
+        "gradq2ef-r4",
+        "gradq 2-bit + EF, mean back at 4 bits",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        server_flags=("--return-scheme", "per_channel_affine", "--return-bits", "4"),
+    ),
+    Method(
         "gradq2ef-sr",
         "gradq 2-bit + EF, stochastic rounding",
         "gradq2ef-2",

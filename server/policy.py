@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from gradq.qcore import QuantConfig, Scheme, codec_for
 
-__all__ = ["RoundPolicy", "PushedGrid", "feeds_back", "return_config_for"]
+__all__ = ["AUTO_FEEDBACK_BITS", "RoundPolicy", "PushedGrid", "feeds_back", "return_config_for"]
+
+# Return grids of at most this many bits get server error feedback by default (RoundPolicy).
+AUTO_FEEDBACK_BITS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +26,14 @@ class RoundPolicy:
             (scheme, bits, channel size); else this scheme (e.g. FLOAT16).
         return_bits: bits for a quantized ``return_scheme`` (ignored otherwise).
         server_error_feedback: carry the re-quantization error of the mean
-            into the next round of the same bucket (where the mean goes back on
-            a quantized grid). On by default: re-rounding the mean the same way
-            every step, with nothing carrying the error, biases it (issue 26:
-            2-bit + EF moved the parameters' sum 80x as far as fp32 under
-            AdamW; see bench/low_bit_bias.py). Costs a fp32 residual per round
-            key, charged to the job's memory budget.
+            into the next round of the same bucket. None (the default) does so
+            where the mean goes back on a grid of at most ``AUTO_FEEDBACK_BITS``
+            bits: re-rounding it the same way every step, with nothing carrying
+            the error, biases it (issue 26: at 2 bits the parameters' sum moved
+            80x as far as with the push leg alone under AdamW; see
+            bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
+            range. True: on any quantized return grid; False: never. Costs a
+            fp32 residual per round key, charged to the job's memory budget.
         retain_steps: finished rounds of this many steps behind the newest are
             kept so retried pushes get their answer; older ones are stale.
         max_bucket_elements: largest bucket accepted. A 1-bit payload is 32x
@@ -44,7 +49,7 @@ class RoundPolicy:
     partial_quorum: int = 0
     return_scheme: Scheme | None = None
     return_bits: int = 8
-    server_error_feedback: bool = True
+    server_error_feedback: bool | None = None
     retain_steps: int = 2
     max_bucket_elements: int = 1 << 28
     non_finite: str = "reject"
@@ -78,12 +83,15 @@ class PushedGrid:
 
 
 def feeds_back(policy: RoundPolicy, pushed: PushedGrid) -> bool:
-    """Whether a round's mean is encoded with server error feedback: on, and the return grid quantized.
+    """Whether a round's mean is encoded with server error feedback (see ``RoundPolicy.server_error_feedback``).
 
     A float return (fp32, fp16) keeps what a residual would carry, or nearly,
     so it holds no residual and is charged none.
     """
-    return policy.server_error_feedback and return_config_for(policy, pushed).scheme.is_quantized
+    config = return_config_for(policy, pushed)
+    if policy.server_error_feedback is False or not config.scheme.is_quantized:
+        return False
+    return policy.server_error_feedback or codec_for(config.scheme).wire_bits(config) <= AUTO_FEEDBACK_BITS
 
 
 def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:

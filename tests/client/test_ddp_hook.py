@@ -88,17 +88,12 @@ def test_gradq_hook_averages_integer_gradients_exactly_over_steps(aggregator: Ag
     gradients = [[bucket() for _ in range(3)] for _ in range(world)]
     state = GradqHookState(f"127.0.0.1:{aggregator.port}", QuantConfig(bits=8, channel_size=512))
     results = ddp_probe.run(world, f"tcp://127.0.0.1:{free_port()}", "gradq", gradients, state=state)
-    exact_sum = np.zeros(1024)
     for step in range(3):
         exact = np.mean([gradients[rank][step] for rank in range(world)], axis=0)
-        exact_sum += exact
         for rank in range(world):
-            # The mean goes back on a grid too, with the aggregator's error feedback: within its rounding (half
-            # a step, range / 255) plus the previous step's residual (another half).
-            np.testing.assert_allclose(results[rank][step], exact, atol=255 / 255 + 1e-5)
+            # The mean goes back on a grid too: within half of its step (range / 255).
+            np.testing.assert_allclose(results[rank][step], exact, atol=255 / 255 / 2 + 1e-6)
             np.testing.assert_array_equal(results[rank][step], results[0][step])
-    # Over the steps nothing is lost but the last residual: the sum is within half a step.
-    np.testing.assert_allclose(np.sum(results[0], axis=0), exact_sum, atol=255 / 255 / 2 + 1e-5)
     assert aggregator.table.counters["rounds_completed"] == 3
     assert aggregator.table.counters["contributions"] == 3 * world
 
