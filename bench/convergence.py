@@ -333,7 +333,7 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
     state = _attach(model, method, spec, job_id, rank)
     optimizer = _optimizer(optimizer_key, model, task)
     held_out = task.held_out(SEED)
-    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": []}
+    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": [], "parameter_sum": []}
     try:
         for step in range(1, spec.steps + 1):
             inputs, targets = task.batch(rank, step, SEED)
@@ -352,6 +352,8 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
                 curve["step"].append(step)
                 curve["loss"].append(loss)
                 curve["accuracy"].append(accuracy)
+        # Issue 26's symptom of a biased mean: the parameters' sum drifting away from fp32's.
+        curve["parameter_sum"].append(float(sum(float(p.detach().sum()) for p in model.module.parameters())))
         dist.barrier()
     finally:
         if state is not None:

@@ -99,7 +99,8 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         _flag_auto,
         "auto",
         "carry the re-quantization error of each bucket's mean into its next round: auto (where the mean goes "
-        "back on 4 bits or fewer; without it a low-bit mean is biased), true (any quantized grid) or false",
+        "back on a uniform grid of 4 bits or fewer; without it such a mean is biased), true (any quantized grid, "
+        "the scaled sign's too) or false",
     ),
     (
         "--retain-steps",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradq.qcore import QuantConfig, Scheme, codec_for
+from gradq.qcore.codecs.uniform import UniformCodec
 
 __all__ = ["AUTO_FEEDBACK_BITS", "RoundPolicy", "PushedGrid", "feeds_back", "return_config_for"]
 
@@ -27,10 +28,11 @@ class RoundPolicy:
         return_bits: bits for a quantized ``return_scheme`` (ignored otherwise).
         server_error_feedback: carry the re-quantization error of the mean
             into the next round of the same bucket. None (the default) does so
-            where the mean goes back on a grid of at most ``AUTO_FEEDBACK_BITS``
-            bits: re-rounding it the same way every step, with nothing carrying
-            the error, biases it (issue 26: at 2 bits the parameters' sum moved
-            80x as far as with the push leg alone under AdamW; see
+            where the mean goes back on a uniform grid of at most
+            ``AUTO_FEEDBACK_BITS`` bits (not the scaled sign's): re-rounding
+            it the same way every step, with nothing carrying the error,
+            biases it (issue 26: at 2 bits the parameters' sum moved 80x as
+            far as with the push leg alone under AdamW; see
             bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
             range. True: on any quantized return grid; False: never. Costs a
             fp32 residual per round key, charged to the job's memory budget.
@@ -91,7 +93,11 @@ def feeds_back(policy: RoundPolicy, pushed: PushedGrid) -> bool:
     config = return_config_for(policy, pushed)
     if policy.server_error_feedback is False or not config.scheme.is_quantized:
         return False
-    return policy.server_error_feedback or codec_for(config.scheme).wire_bits(config) <= AUTO_FEEDBACK_BITS
+    codec = codec_for(config.scheme)
+    # Not the scaled sign by default: its residual holds every magnitude the mean lost, and fed back under
+    # SGD with momentum it grew until the digits MLP diverged (bench/convergence.py, twice).
+    uniform = isinstance(codec, UniformCodec)
+    return bool(policy.server_error_feedback) or (uniform and codec.wire_bits(config) <= AUTO_FEEDBACK_BITS)
 
 
 def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:

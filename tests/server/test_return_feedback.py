@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from gradq.client import WorkerClient
-from gradq.qcore import QuantConfig
+from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer
-from gradq.server.policy import RoundPolicy
+from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 
 NUMEL = 128 * 32  # 32 channels of the 2-bit default
 STEPS = 100
@@ -67,3 +67,20 @@ def test_without_server_error_feedback_the_return_leg_drifts(
     policy = RoundPolicy(round_timeout_s=30.0, server_error_feedback=False)
     drift, signed = _accumulated_error(start_aggregator(policy), "biased")
     assert drift > 0.15 and signed < -0.01
+
+
+def test_by_default_the_aggregator_feeds_back_uniform_grids_of_at_most_four_bits_only() -> None:
+    def pushed(scheme: Scheme, bits: int) -> PushedGrid:
+        return PushedGrid(scheme, bits, 128, 1024, "float32")
+
+    auto, on, off = RoundPolicy(), RoundPolicy(server_error_feedback=True), RoundPolicy(server_error_feedback=False)
+    for bits in (1, 2, 4):
+        assert feeds_back(auto, pushed(Scheme.PER_CHANNEL_AFFINE, bits))
+    assert feeds_back(auto, pushed(Scheme.PER_TENSOR_SYMMETRIC, 2))
+    assert not feeds_back(auto, pushed(Scheme.PER_CHANNEL_AFFINE, 8))  # a step of 1/255: no fp32 residual
+    assert not feeds_back(auto, pushed(Scheme.PER_CHANNEL_SIGN, 1))
+    assert feeds_back(on, pushed(Scheme.PER_CHANNEL_SIGN, 1)) and feeds_back(on, pushed(Scheme.PER_CHANNEL_AFFINE, 8))
+    assert not feeds_back(off, pushed(Scheme.PER_CHANNEL_AFFINE, 2))
+    # A float return keeps what a residual would carry: none is held, whatever the policy.
+    assert not feeds_back(on, pushed(Scheme.FLOAT32, 8))
+    assert not feeds_back(RoundPolicy(return_scheme=Scheme.FLOAT16), pushed(Scheme.PER_CHANNEL_AFFINE, 2))
