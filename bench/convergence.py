@@ -2,7 +2,7 @@
 
 Run from the repository root with the virtualenv's interpreter::
 
-    python bench/convergence.py                                   # both tasks, SGD and AdamW, the main rows
+    python bench/convergence.py                                   # all four tasks, SGD and AdamW, the main rows
     python bench/convergence.py --tasks transformer --optimizers adamw --methods fp32 gradq2ef gradq2ef-sef
     python bench/convergence.py --step-times bench/results/network-<time>.json   # adds time to accuracy
     python bench/convergence.py --hosts 2x2 --tasks transformer --optimizers adamw --methods gradq4ef gradq4ef-2l
@@ -13,7 +13,11 @@ batches, the gradq rows through real aggregators (``python -m gradq.server``;
 one per distinct set of server flags). Rank 0 evaluates the held-out loss
 (and digits accuracy) every ``--eval-every`` steps. The tasks are in
 convergence_tasks.py: the digits MLP and a character-level transformer language
-model on the text of Python's reference manual, which ships with CPython.
+model on the text of Python's reference manual, which ships with CPython (the
+tasks gradq was tuned on), and two held back from tuning: a conv net on the
+digits as images and a word-level language model on the standard library's
+source (``--tasks digits-cnn source-lm``; all four run by default). Each row
+also records its parameters' sum at the end: a biased mean makes it drift.
 
 "Steps to fp32" is the first evaluated step at which a row's held-out loss is
 within 1% of the fp32 row's final held-out loss ("never" within the budget).
