@@ -2,7 +2,7 @@
 
 Run from the repository root with the virtualenv's interpreter::
 
-    python bench/convergence.py                                   # both tasks, SGD and AdamW, the main rows
+    python bench/convergence.py                                   # all four tasks, SGD and AdamW, the main rows
     python bench/convergence.py --tasks transformer --optimizers adamw --methods fp32 gradq2ef gradq2ef-sef
     python bench/convergence.py --step-times bench/results/network-<time>.json   # adds time to accuracy
     python bench/convergence.py --hosts 2x2 --tasks transformer --optimizers adamw --methods gradq4ef gradq4ef-2l
@@ -13,7 +13,11 @@ batches, the gradq rows through real aggregators (``python -m gradq.server``;
 one per distinct set of server flags). Rank 0 evaluates the held-out loss
 (and digits accuracy) every ``--eval-every`` steps. The tasks are in
 convergence_tasks.py: the digits MLP and a character-level transformer language
-model on the text of Python's reference manual, which ships with CPython.
+model on the text of Python's reference manual, which ships with CPython (the
+tasks gradq was tuned on), and two held back from tuning: a conv net on the
+digits as images and a word-level language model on the standard library's
+source (``--tasks digits-cnn source-lm``; all four run by default). Each row
+also records its parameters' sum at the end: a biased mean makes it drift.
 
 "Steps to fp32" is the first evaluated step at which a row's held-out loss is
 within 1% of the fp32 row's final held-out loss ("never" within the budget).
@@ -81,6 +85,8 @@ class Method:
     rounding: str = "nearest"
     server_flags: tuple[str, ...] = ()  # `gradq serve` flags of the aggregator this row needs
     two_level: bool = False  # reduce inside each host of --hosts first (host=...); otherwise host_grouping="flat"
+    bit_policy: str = "uniform"  # "adaptive": more bits for 1-D and hard parameters (gradq.client.bit_policy)
+    average_bits: float = 2.5  # the adaptive policy's target
 
 
 MAIN_METHODS = (
@@ -95,7 +101,34 @@ MAIN_METHODS = (
 )
 # Techniques tried on the low-bit rows (--methods picks them): each changes one thing.
 _SERVER_FEEDBACK = ("--server-error-feedback", "true")
+# The aggregator's default before issue 26: the mean re-encoded to nearest with no residual (biased at low bits).
+_NO_SERVER_FEEDBACK = ("--server-error-feedback", "false")
 CANDIDATE_METHODS = (
+    Method(
+        "gradq2ef-adaptive",
+        "gradq 2-bit + EF, adaptive bits (average 2.5)",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        bit_policy="adaptive",
+    ),
+    Method(
+        "gradq2ef-nosef",
+        "gradq 2-bit + EF, no server EF (before issue 26)",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        server_flags=_NO_SERVER_FEEDBACK,
+    ),
+    Method(
+        "gradq1sign-nosef",
+        "gradq 1-bit scaled sign + EF, no server EF (before issue 26)",
+        "gradq1sign-2",
+        bits=1,
+        scheme="per_channel_sign",
+        error_feedback=True,
+        server_flags=_NO_SERVER_FEEDBACK,
+    ),
     Method(
         "gradq2ef-sef",
         "gradq 2-bit + EF, server EF",
@@ -119,6 +152,14 @@ CANDIDATE_METHODS = (
         bits=2,
         error_feedback=True,
         server_flags=("--return-scheme", "per_channel_affine", "--return-bits", "8"),
+    ),
+    Method(
+        "gradq2ef-r4",
+        "gradq 2-bit + EF, mean back at 4 bits",
+        "gradq2ef-2",
+        bits=2,
+        error_feedback=True,
+        server_flags=("--return-scheme", "per_channel_affine", "--return-bits", "4"),
     ),
     Method(
         "gradq2ef-sr",
@@ -273,6 +314,8 @@ def _attach(
             job_id=job_id,
             host_grouping="auto" if method.two_level else "flat",
             host=f"host{rank // spec.ranks_per_host}" if method.two_level else None,
+            bit_policy=method.bit_policy,
+            average_bits=method.average_bits,
         )
         model.register_comm_hook(state, gradq_hook)
         return state
@@ -294,7 +337,7 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
     state = _attach(model, method, spec, job_id, rank)
     optimizer = _optimizer(optimizer_key, model, task)
     held_out = task.held_out(SEED)
-    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": []}
+    curve: dict[str, list] = {"step": [], "loss": [], "accuracy": [], "diverged_at": [], "parameter_sum": []}
     try:
         for step in range(1, spec.steps + 1):
             inputs, targets = task.batch(rank, step, SEED)
@@ -313,6 +356,8 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
                 curve["step"].append(step)
                 curve["loss"].append(loss)
                 curve["accuracy"].append(accuracy)
+        # Issue 26's symptom of a biased mean: the parameters' sum drifting away from fp32's.
+        curve["parameter_sum"].append(float(sum(float(p.detach().sum()) for p in model.module.parameters())))
         dist.barrier()
     finally:
         if state is not None:

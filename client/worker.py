@@ -304,7 +304,14 @@ class WorkerClient:
         return self.push_pull_async(step, bucket, array).result()
 
     def push_pull_async(
-        self, step: int, bucket: int, array: Any, out: Any | None = None, *, dtype: str | None = None
+        self,
+        step: int,
+        bucket: int,
+        array: Any,
+        out: Any | None = None,
+        *,
+        dtype: str | None = None,
+        config: QuantConfig | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
 
@@ -321,6 +328,9 @@ class WorkerClient:
                 copy of something narrower (the DDP hook's host copy of a bf16
                 bucket): recorded on the wire and compared against in
                 ``stats()``. None: ``array``'s own.
+            config: the grid of this bucket (None: the client's ``config``). The
+                aggregator fixes a bucket's grid at its first push, so pass the
+                same one at every step (gradq.client.bit_policy chooses them).
         """
         arrays = self._arrays_for(array)
         flat = arrays.flatten(array)
@@ -332,7 +342,8 @@ class WorkerClient:
         started = time.perf_counter()
         try:
             tensors = [
-                arrays.encode(key, flat[begin:end], self._rng) for key, (begin, end) in zip(keys, pieces, strict=True)
+                arrays.encode(key, flat[begin:end], self._rng, config)
+                for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
             if dtype is not None:
                 tensors = [dataclasses.replace(tensor, dtype=dtype) for tensor in tensors]
@@ -341,7 +352,7 @@ class WorkerClient:
             # policy rejects the bucket or skips it, for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
             reported = [
-                self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end])
+                self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end], config=config)
                 for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
             return assemble(reported, out, shape)
@@ -416,13 +427,16 @@ class WorkerClient:
         numel: int,
         shape: tuple[int, ...] | None = None,
         out: Any | None = None,
+        config: QuantConfig | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Report that this rank's bucket holds NaN/Inf; the future gets zeros if the round is skipped.
+
+        ``config`` is the bucket's grid (None: the client's), which the placeholder must share.
 
         Raises (through the future):
             AggregationError: INVALID_ARGUMENT under the aggregator's default reject policy.
         """
-        placeholder = encode(np.zeros(numel, np.float32), self.config)
+        placeholder = encode(np.zeros(numel, np.float32), config or self.config)
         return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True, out=out)
 
     def push_pull_encoded_async(

@@ -56,8 +56,10 @@ class ArrayCodec(Protocol):
     def output(self, out: Any | None, numel: int, like: Any) -> Any:
         """``out`` checked as a writeable flat float32 buffer of ``numel`` elements, or a new one beside ``like``."""
 
-    def encode(self, key: int, values: Any, rng: np.random.Generator) -> QuantizedArray:
-        """Encode a flat slice (carrying ``key``'s residual when error feedback is on)."""
+    def encode(
+        self, key: int, values: Any, rng: np.random.Generator, config: QuantConfig | None = None
+    ) -> QuantizedArray:
+        """Encode a flat slice on ``config`` (None: the codec's own), with ``key``'s residual under error feedback."""
 
     def decode(self, mean: QuantizedArray, out: Any) -> None:
         """Decode a received mean into ``out`` (a flat float32 slice), finished when this returns."""
@@ -99,11 +101,14 @@ class NumpyArrays:
             )
         return out.reshape(-1)
 
-    def encode(self, key: int, values: np.ndarray, rng: np.random.Generator) -> QuantizedArray:
-        """``encode`` or, with error feedback, ``ErrorFeedback.encode``."""
+    def encode(
+        self, key: int, values: np.ndarray, rng: np.random.Generator, config: QuantConfig | None = None
+    ) -> QuantizedArray:
+        """``encode`` or, with error feedback, ``ErrorFeedback.encode``, on ``config`` (None: ``self.config``)."""
+        config = config or self.config
         if self.error_feedback is not None:
-            return self.error_feedback.encode(key, values, self.config, rng=rng)
-        return encode(values, self.config, rng=rng)
+            return self.error_feedback.encode(key, values, config, rng=rng)
+        return encode(values, config, rng=rng)
 
     def decode(self, mean: QuantizedArray, out: np.ndarray) -> None:
         """``decode(mean, out=out)``."""

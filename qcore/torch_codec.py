@@ -264,15 +264,18 @@ class TorchArrays:
             )
         return out.view(-1)
 
-    def encode(self, key: int, values: torch.Tensor, rng: np.random.Generator) -> QuantizedArray:
-        """``encode_tensor`` or, with error feedback, ``TorchErrorFeedback.encode``.
+    def encode(
+        self, key: int, values: torch.Tensor, rng: np.random.Generator, config: QuantConfig | None = None
+    ) -> QuantizedArray:
+        """``encode_tensor`` or, with error feedback, ``TorchErrorFeedback.encode``, on ``config`` (None: its own).
 
         Copying the packed form to the host waits for the device, so the caller's
         clock around this is honest.
         """
+        config = config or self.config
         if self.error_feedback is not None:
-            return self.error_feedback.encode(key, values, self.config, rng=rng)
-        return encode_tensor(values, self.config, rng=rng)
+            return self.error_feedback.encode(key, values, config, rng=rng)
+        return encode_tensor(values, config, rng=rng)
 
     def decode(self, mean: QuantizedArray, out: torch.Tensor) -> None:
         """``decode_tensor``, waiting for the device so the mean is there (and the time honest)."""

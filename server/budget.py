@@ -68,7 +68,8 @@ class MemoryBudget:
                 raise ResourceExhaustedError(
                     f"{what} needs {_format_bytes(nbytes)}, but {account.name} may hold at most "
                     f"{_format_bytes(account.limit)} (--max-job-memory-bytes) and holds "
-                    f"{_format_bytes(account.in_use)} in open and retained rounds; retry when its rounds finish"
+                    f"{_format_bytes(account.in_use)} in open and retained rounds and its buckets' grids; "
+                    "retry when its rounds finish"
                 )
             if self._in_use + nbytes > self.limit:
                 raise ResourceExhaustedError(

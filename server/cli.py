@@ -29,6 +29,18 @@ def _flag_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; expected true/false, 1/0, yes/no or on/off")
 
 
+def _flag_auto(text: str) -> bool | None:
+    """``auto`` (None: the policy decides) or a boolean."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _flag_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a boolean; expected auto, true/false, 1/0, yes/no or on/off"
+        ) from None
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -84,9 +96,11 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     (
         "--server-error-feedback",
         "GRADQ_SERVER_ERROR_FEEDBACK",
-        _flag_bool,
-        _POLICY.server_error_feedback,
-        "carry the re-quantization error of each bucket's mean into its next round",
+        _flag_auto,
+        "auto",
+        "carry the re-quantization error of each bucket's mean into its next round: auto (where the mean goes "
+        "back on a uniform grid of 4 bits or fewer; without it such a mean is biased), true (any quantized grid, "
+        "the scaled sign's too) or false",
     ),
     (
         "--retain-steps",

@@ -66,8 +66,9 @@ class Job:
     first_step: int = -1
     # The newest step of any round opened: a failed round of an older step is one the ranks have moved past.
     newest_step: int = -1
-    # (scheme, bits, channel size) fixed by the job's first push; every push must match.
-    grid: tuple[object, ...] | None = None
+    # Round key (bucket) -> (scheme, bits, channel size) fixed by its first push; every later push of
+    # that bucket must match, so one bucket may carry more bits than another (see step_window.check_grid).
+    grids: dict[int, tuple[object, ...]] = field(default_factory=dict)
     error_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # --server-error-feedback's residuals
     feedback_lock: threading.Lock = field(default_factory=threading.Lock)  # a leaf: one mean at a time uses them
     superseded: tuple[str, ...] = ()

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradq.qcore import QuantConfig, Scheme, codec_for
+from gradq.qcore.codecs.uniform import UniformCodec
 
-__all__ = ["RoundPolicy", "PushedGrid", "return_config_for"]
+__all__ = ["AUTO_FEEDBACK_BITS", "RoundPolicy", "PushedGrid", "feeds_back", "return_config_for"]
+
+# Return grids of at most this many bits get server error feedback by default (RoundPolicy).
+AUTO_FEEDBACK_BITS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +27,15 @@ class RoundPolicy:
             (scheme, bits, channel size); else this scheme (e.g. FLOAT16).
         return_bits: bits for a quantized ``return_scheme`` (ignored otherwise).
         server_error_feedback: carry the re-quantization error of the mean
-            into the next round of the same bucket.
+            into the next round of the same bucket. None (the default) does so
+            where the mean goes back on a uniform grid of at most
+            ``AUTO_FEEDBACK_BITS`` bits (not the scaled sign's): re-rounding
+            it the same way every step, with nothing carrying the error,
+            biases it (issue 26: at 2 bits the parameters' sum moved 80x as
+            far as with the push leg alone under AdamW; see
+            bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
+            range. True: on any quantized return grid; False: never. Costs a
+            fp32 residual per round key, charged to the job's memory budget.
         retain_steps: finished rounds of this many steps behind the newest are
             kept so retried pushes get their answer; older ones are stale.
         max_bucket_elements: largest bucket accepted. A 1-bit payload is 32x
@@ -39,7 +51,7 @@ class RoundPolicy:
     partial_quorum: int = 0
     return_scheme: Scheme | None = None
     return_bits: int = 8
-    server_error_feedback: bool = False
+    server_error_feedback: bool | None = None
     retain_steps: int = 2
     max_bucket_elements: int = 1 << 28
     non_finite: str = "reject"
@@ -70,6 +82,22 @@ class PushedGrid:
     channel_size: int
     numel: int
     dtype: str
+
+
+def feeds_back(policy: RoundPolicy, pushed: PushedGrid) -> bool:
+    """Whether a round's mean is encoded with server error feedback (see ``RoundPolicy.server_error_feedback``).
+
+    A float return (fp32, fp16) keeps what a residual would carry, or nearly,
+    so it holds no residual and is charged none.
+    """
+    config = return_config_for(policy, pushed)
+    if policy.server_error_feedback is False or not config.scheme.is_quantized:
+        return False
+    codec = codec_for(config.scheme)
+    # Not the scaled sign by default: its residual holds every magnitude the mean lost, and fed back under
+    # SGD with momentum it grew until the digits MLP diverged (bench/convergence.py, twice).
+    uniform = isinstance(codec, UniformCodec)
+    return bool(policy.server_error_feedback) or (uniform and codec.wire_bits(config) <= AUTO_FEEDBACK_BITS)
 
 
 def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:

@@ -17,7 +17,7 @@ from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
 from gradq.server.jobs import Job, JobTable
-from gradq.server.policy import RoundPolicy, return_config_for
+from gradq.server.policy import RoundPolicy, feeds_back, return_config_for
 from gradq.server.reports import RoundObserver
 from gradq.server.round_report import relative_error, round_report
 from gradq.server.round_state import Round, RoundResult
@@ -69,7 +69,7 @@ class RoundCloser:
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
         config = return_config_for(self.policy, rnd.pushed)
         encoded: QuantizedArray | None = None
-        if self.policy.server_error_feedback:
+        if feeds_back(self.policy, rnd.pushed):
             # One mean of the job at a time updates its residuals, and what they hold is charged to
             # it (a round reserved its bucket's residual when it opened): held until the job ends.
             with job.feedback_lock:

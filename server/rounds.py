@@ -31,11 +31,11 @@ from gradq.server.errors import (
 )
 from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
 from gradq.server.limits import ServiceLimits
-from gradq.server.policy import PushedGrid, RoundPolicy
+from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult, Waker
-from gradq.server.step_window import check_grid, check_step, contribution_digest
+from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
@@ -212,6 +212,9 @@ class RoundTable:
                 residuals = gone.job.error_feedback
                 held = sum(_nbytes(residuals.residual(key)) for key in list(residuals.keys()))
                 residuals.reset()
+            with self.jobs.lock:
+                held += GRID_ENTRY_BYTES * len(gone.job.grids)
+                gone.job.grids.clear()
             self.budget.adjust(held, 0, gone.job.memory)
 
     # -- the round --------------------------------------------------------------------------
@@ -252,7 +255,7 @@ class RoundTable:
         Raises:
             InvalidArgumentError: numel disagrees with the round's.
             FailedPreconditionError: unknown job, rank or incarnation; a step
-                outside the window; another grid than the job's; a resend that differs.
+                outside the window; another grid than the bucket's; a resend that differs.
             ResourceExhaustedError: the memory budget or the job's open rounds are used up.
             UnavailableError: the aggregator is shutting down and the round is new.
         """
@@ -279,7 +282,7 @@ class RoundTable:
             )
         with self.jobs.lock:
             job = self.jobs.member(job_id, rank, incarnation, self._clock())
-            check_grid(job, tensor)
+            check_grid(job, bucket, tensor, self.budget)
             rnd = job.rounds.get((step, bucket))
             if rnd is not None and self._superseded_failure(job, rnd):
                 del job.rounds[(step, bucket)]
@@ -372,14 +375,14 @@ class RoundTable:
             )
         charge = 4 * tensor.numel  # the fp32 accumulator
         what = f"round (job={job.job_id!r}, step={step}, bucket={bucket})"
-        residual = job.error_feedback.residual(bucket) if self.policy.server_error_feedback else None
-        if self.policy.server_error_feedback and (residual is None or residual.size != tensor.numel):
+        grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
+        residual = job.error_feedback.residual(bucket) if feeds_back(self.policy, grid) else None
+        if feeds_back(self.policy, grid) and (residual is None or residual.size != tensor.numel):
             # The fp32 residual its mean will leave (--server-error-feedback), held until the job ends:
             # reserved now, so a job that invents round keys is refused instead of growing without bound.
             charge += 4 * tensor.numel
             what += " and its error-feedback residual"
         self.budget.charge(charge, what, job.memory)
-        grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
         try:
             accumulator = self.accumulators.take(tensor.numel)
         except MemoryError:

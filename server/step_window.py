@@ -1,4 +1,4 @@
-"""Which pushes a job accepts: steps inside its window, its one grid, and resends that match what was counted.
+"""Which pushes a job accepts: steps inside its window, each bucket's one grid, and resends that match what was counted.
 
 The step window of a job (one incarnation) is
 ``[newest completed - retain_steps, anchor + max_steps_ahead]``, where the
@@ -14,10 +14,16 @@ import zlib
 
 from gradq.qcore import QuantizedArray
 from gradq.qcore.codecs import codec_for
+from gradq.server.budget import MemoryBudget
 from gradq.server.errors import FailedPreconditionError
 from gradq.server.jobs import Job
 
-__all__ = ["check_step", "check_grid", "contribution_digest", "describe_grid"]
+__all__ = ["GRID_ENTRY_BYTES", "check_step", "check_grid", "contribution_digest", "describe_grid"]
+
+# What remembering one bucket's grid holds: its dict slot, key and (scheme, bits, channel size)
+# tuple, about 200 bytes by sys.getsizeof. Charged to the job's memory budget, so a client that
+# invents bucket keys is refused like one that opens too many rounds, instead of growing the map.
+GRID_ENTRY_BYTES = 256
 
 # Bytes of payload hashed per contribution at most: the digest must cost little
 # beside decoding (crc32 runs at ~1.4 GB/s here, decode-accumulate at ~5).
@@ -54,22 +60,28 @@ def describe_grid(grid: tuple[object, ...]) -> str:
     return f"scheme={scheme}, bits={bits}" + (f", channel_size={channel_size}" if channel_size else "")
 
 
-def check_grid(job: Job, tensor: QuantizedArray) -> None:
-    """Fix the job's grid on its first push; refuse a push on another. Caller holds the job table's lock.
+def check_grid(job: Job, bucket: int, tensor: QuantizedArray, budget: MemoryBudget) -> None:
+    """Fix a bucket's grid on its first push; refuse a push of it on another. Caller holds the job table's lock.
 
-    Per-tensor schemes have no channel size of their own (it is the bucket's
-    numel), so their codec leaves it out of the grid.
+    The grid is per (job, bucket), not per job, so a bit policy may give some
+    buckets more bits than others (gradq.client.bit_policy); the contributions
+    of one round still all share its grid, since they share its bucket. Per-tensor
+    schemes have no channel size of their own (it is the bucket's numel), so
+    their codec leaves it out of the grid.
 
     Raises:
-        FailedPreconditionError: naming both grids.
+        FailedPreconditionError: naming the bucket and both grids.
+        ResourceExhaustedError: the job's memory budget cannot hold one more bucket's grid.
     """
     grid = (tensor.scheme.name, tensor.bits, codec_for(tensor.scheme).grid_channel_size(tensor.channel_size))
-    if job.grid is None:
-        job.grid = grid
-    elif grid != job.grid:
+    fixed = job.grids.get(bucket)
+    if fixed is None:
+        budget.charge(GRID_ENTRY_BYTES, f"the grid of bucket {bucket} of {job.describe()}", job.memory)
+        job.grids[bucket] = grid
+    elif grid != fixed:
         raise FailedPreconditionError(
-            f"tensor grid ({describe_grid(grid)}) does not match the grid of {job.describe()} "
-            f"({describe_grid(job.grid)}), fixed by its first push; every rank must quantize alike"
+            f"tensor grid ({describe_grid(grid)}) does not match the grid of bucket {bucket} of {job.describe()} "
+            f"({describe_grid(fixed)}), fixed by its first push; every rank must quantize a bucket alike"
         )
 
 

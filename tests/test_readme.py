@@ -20,6 +20,7 @@ def test_qcore_example_runs_and_its_comments_are_true() -> None:
 
 
 def test_the_gradq_variables_table_lists_every_variable_and_its_true_default() -> None:
+    from gradq.client.bit_policy import BIT_POLICIES, DEFAULT_AVERAGE_BITS
     from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
     from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOOK_ENVIRONMENT, quantized_scheme_names
     from gradq.qcore import QuantConfig
@@ -33,3 +34,5 @@ def test_the_gradq_variables_table_lists_every_variable_and_its_true_default() -
     assert unset["GRADQ_CHUNK_ELEMENTS"] == str(DEFAULT_CHUNK_ELEMENTS)
     assert unset["GRADQ_CONNECT_TIMEOUT"] == f"{DEFAULT_CONNECT_TIMEOUT_S:g}"
     assert table["GRADQ_SCHEME"][0].count("`per_") == len(quantized_scheme_names())
+    assert unset["GRADQ_BIT_POLICY"] == f"`{BIT_POLICIES[0]}`"
+    assert unset["GRADQ_AVERAGE_BITS"] == f"{DEFAULT_AVERAGE_BITS:g}"

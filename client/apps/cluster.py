@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradq.client.apps.reachability import wait_for_aggregators
+from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp.env import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -241,6 +242,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         0,
     )
     option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 24 steps each)", 20, parse_integer(1))
+    option("--bit-policy", "GRADQ_BIT_POLICY", f"{' or '.join(BIT_POLICIES)}: bits per bucket piece")
+    option("--average-bits", "GRADQ_AVERAGE_BITS", "the adaptive policy's most bits per element on average")
     option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
     option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks (unset: rank 0 draws one per run)")
     option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS")
@@ -410,6 +413,8 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         chunk_elements=args.chunk_elements,
         host=args.host,
         host_grouping=args.host_grouping,
+        bit_policy=args.bit_policy,
+        average_bits=args.average_bits,
         on_epoch=report_epoch,
         on_trained=report_result,
     )

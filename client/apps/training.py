@@ -51,6 +51,7 @@ class TrainSpec:
             several shards, smaller chunks spread a small model over them.
         host: this rank's host name for two-level aggregation (None: the launcher's).
         host_grouping: "auto" (two-level where hosts hold several ranks) or "flat".
+        bit_policy, average_bits: the hook's (None: its defaults, "uniform" and 2.5).
         on_epoch: called on every rank after each epoch with (epoch, mean
             loss, test accuracy in percent), e.g. to print each rank's progress.
         on_trained: called with the result once training is done, before the
@@ -78,6 +79,8 @@ class TrainSpec:
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     host: str | None = None
     host_grouping: str = "auto"
+    bit_policy: str | None = None
+    average_bits: float | None = None
     on_epoch: Callable[[int, float, float], None] | None = None
     on_trained: Callable[[TrainResult], None] | None = None
 
@@ -132,6 +135,8 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
                 "error_feedback": spec.error_feedback,
                 "fallback": spec.fallback,
                 "job_id": spec.job_id,
+                "bit_policy": spec.bit_policy,
+                "average_bits": spec.average_bits,
             }
             state = GradqHookState(
                 list(spec.aggregators),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.security import ChannelSecurity
 from gradq.qcore import QuantConfig, Scheme
 
@@ -57,6 +58,8 @@ HOOK_ENVIRONMENT = {
     "GRADQ_HOST": "this rank's host name: ranks with the same one reduce together first (unset: the launcher's)",
     "GRADQ_HOST_GROUPING": "auto (two-level where hosts hold several ranks) or flat",
     "GRADQ_ELASTIC_HOSTS": "0: a fixed job; N: an elastic job that starts once N hosts joined (needs GRADQ_JOB_ID)",
+    "GRADQ_BIT_POLICY": "uniform (every bucket on GRADQ_BITS) or adaptive (more bits for 1-D and hard parameters)",
+    "GRADQ_AVERAGE_BITS": "the adaptive policy's most bits per element on average, GRADQ_BITS..8",
     "GRADQ_TLS_CA": "PEM CA of the aggregator's certificate: talk TLS",
     "GRADQ_TLS_CLIENT_CERT": "this worker's PEM certificate, for mutual TLS",
     "GRADQ_TLS_CLIENT_KEY": "its PEM key",
@@ -74,6 +77,8 @@ _HOOK_ARGUMENTS = {
     "host": "GRADQ_HOST",
     "host_grouping": "GRADQ_HOST_GROUPING",
     "elastic_hosts": "GRADQ_ELASTIC_HOSTS",
+    "bit_policy": "GRADQ_BIT_POLICY",
+    "average_bits": "GRADQ_AVERAGE_BITS",
 }
 
 
@@ -178,6 +183,13 @@ def parse_host_grouping(text: str) -> str:
     return text
 
 
+def parse_bit_policy(text: str) -> str:
+    """One of BIT_POLICIES."""
+    if text not in BIT_POLICIES:
+        raise ValueError(f"expected one of: {', '.join(BIT_POLICIES)}")
+    return text
+
+
 def parse_addresses(text: str) -> list[str]:
     """Comma-separated host:port, in shard order."""
     addresses = [address.strip() for address in text.split(",") if address.strip()]
@@ -206,6 +218,8 @@ HOOK_PARSERS: dict[str, Callable[[str], Any]] = {
     "GRADQ_HOST": str,
     "GRADQ_HOST_GROUPING": parse_host_grouping,
     "GRADQ_ELASTIC_HOSTS": parse_integer(0),
+    "GRADQ_BIT_POLICY": parse_bit_policy,
+    "GRADQ_AVERAGE_BITS": parse_number(1, 8),
     "GRADQ_TLS_CA": parse_file,
     "GRADQ_TLS_CLIENT_CERT": parse_file,
     "GRADQ_TLS_CLIENT_KEY": parse_file,
@@ -221,8 +235,8 @@ def hook_arguments_from_env(environ: Mapping[str, str] | None = None) -> dict[st
 
     Returns:
         ``addresses`` and whichever of ``config``, ``error_feedback``, ``job_id``,
-        ``chunk_elements``, ``connect_timeout_s``, ``host``, ``host_grouping``
-        and ``security`` the variables set.
+        ``chunk_elements``, ``connect_timeout_s``, ``host``, ``host_grouping``,
+        ``bit_policy``, ``average_bits`` and ``security`` the variables set.
 
     Raises:
         ValueError: GRADQ_AGGREGATORS is unset or empty, or a variable's value

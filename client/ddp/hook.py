@@ -17,8 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.bit_policy import BIT_POLICIES, DEFAULT_AVERAGE_BITS, Piece, check_average_bits
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, assemble
 from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
+from gradq.client.ddp.bit_plans import BitPlans
 from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
 from gradq.client.ddp.elastic import elastic_host, serve_joiners, share_objects, start_member
 from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOST_GROUPINGS, hook_arguments_from_env
@@ -60,6 +62,7 @@ _UNPICKLED = frozenset(
         "_host",
         "_membership",
         "_mode",
+        "_plans",
         "_residuals",
         "_sender_pool",
         "incarnation",
@@ -109,6 +112,13 @@ class GradqHookState:
             hosts may then be lost (the others go on) and join (they receive
             the training state of the objects given to ``share`` at a step
             boundary). Call ``start()`` before training.
+        bit_policy: "uniform" pushes every bucket on ``config``; "adaptive"
+            splits each bucket at parameter boundaries and gives 1-D and
+            hard-to-quantize parameters more bits, keeping every bucket's
+            average at or under ``average_bits`` (see gradq.client.bit_policy).
+            Adaptive needs the flat path (hosts of one rank, or ``host_grouping="flat"``).
+        average_bits: the adaptive policy's most bits per element on average
+            (``config.bits``..8; the uniform policy ignores it).
     """
 
     __slots__ = (
@@ -120,11 +130,14 @@ class GradqHookState:
         "_host",  # this rank's place among the job's hosts, found at connect (see host_groups)
         "_membership",  # leaves the job once, at close / collection / exit
         "_mode",  # "gradq" or a fallback name, decided on the first bucket
+        "_plans",  # each bucket's pieces (round key, elements, grid) under the adaptive bit policy
         "_residuals",  # keeps error feedback on its parameters across bucket rebuilds and checkpoints
         "_sender_pool",  # one thread that encodes and sends buckets off the autograd thread
         "_served_step",  # elastic: the step whose boundary this member last served joiners at
         "_shared",  # elastic: the objects (model, optimizer, ...) whose state a joiner receives
         "addresses",  # aggregator shard addresses, in shard order
+        "average_bits",  # the adaptive bit policy's target bits per element
+        "bit_policy",  # "uniform" or "adaptive": which bits each piece of a bucket gets
         "chunk_elements",  # largest round a bucket is cut into
         "codec",  # "auto", "torch" or "numpy": which array library quantizes a bucket
         "config",  # the wire grid for pushes
@@ -161,6 +174,8 @@ class GradqHookState:
         host_grouping: str = "auto",
         host: str | None = None,
         elastic_hosts: int = 0,
+        bit_policy: str = "uniform",
+        average_bits: float = DEFAULT_AVERAGE_BITS,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback={fallback!r} is invalid; expected one of {', '.join(FALLBACKS)}")
@@ -199,6 +214,12 @@ class GradqHookState:
             raise ValueError(f"fallback={fallback!r}: an elastic host cannot fall back (it would train alone)")
         self.elastic_hosts = elastic_hosts
         self._shared: list[Any] = []
+        if bit_policy not in BIT_POLICIES:
+            raise ValueError(f"bit_policy={bit_policy!r} is invalid; expected one of {', '.join(BIT_POLICIES)}")
+        if bit_policy == "adaptive":
+            check_average_bits(average_bits, self.config.bits)
+        self.bit_policy = bit_policy
+        self.average_bits = average_bits
         self.step = 0
         self._reset_connection()
 
@@ -231,6 +252,7 @@ class GradqHookState:
         self._membership: Membership | None = None
         self._failures = BackwardFailures()
         self._residuals = ParameterResiduals()
+        self._plans = BitPlans()
         self._closed = False
         self._served_step = -1
 
@@ -280,6 +302,8 @@ class GradqHookState:
             "host_grouping": "auto",
             "host": None,
             "elastic_hosts": 0,
+            "bit_policy": "uniform",
+            "average_bits": DEFAULT_AVERAGE_BITS,
         }
         for name, value in {**defaults, **state}.items():
             setattr(self, name, value)
@@ -378,6 +402,11 @@ class GradqHookState:
             host = self._host = elastic_host(group, self.elastic_hosts)
         else:
             host = self._host = find_host_group(group, self.host_grouping, self.host, os.environ, self.timeout_s)
+        if self.bit_policy == "adaptive" and not host.flat:
+            raise ValueError(
+                f"bit_policy='adaptive' with two-level aggregation ({host.describe()}): the adaptive policy "
+                "splits whole buckets; pass host_grouping='flat' (GRADQ_HOST_GROUPING=flat) or bit_policy='uniform'"
+            )
         client = WorkerClient(
             self.addresses,
             self.job_id,
@@ -455,8 +484,12 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         state.step += 1
     host, client, buffer = state._host, state.client, bucket.buffer()
     assert host is not None and client is not None
+    adaptive = state.bit_policy == "adaptive" and not sparse
+    plan = state._plans.plan(bucket, state.config, state.average_bits, state._group()) if adaptive else None
     if sparse:
         segments = []
+    elif plan is not None:
+        segments = [(key, piece.begin, piece.end) for key, piece in plan]
     elif host.flat:
         segments = [(bucket.index(), 0, buffer.numel())]
     else:
@@ -468,16 +501,18 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         # bucket is averaged by the process group, uncompressed, as DDP's default hook does.
         return _fallback_allreduce(state, bucket)
     if host.flat:
-        return state._failures.guard(_push_bucket(state, bucket, step), buffer)
+        pieces = plan or [(bucket.index(), Piece(0, buffer.numel(), state.config))]
+        return state._failures.guard(_push_bucket(state, bucket, step, pieces), buffer)
     reduced = push_through_host(host, client, buffer, step, segments, state.codec, state._sender(), state._gatherer())
     return state._failures.guard(reduced, buffer)
 
 
-def _push_bucket(state: GradqHookState, bucket: dist.GradBucket, step: int) -> torch.futures.Future[torch.Tensor]:
+def _push_bucket(
+    state: GradqHookState, bucket: dist.GradBucket, step: int, pieces: list[tuple[int, Piece]]
+) -> torch.futures.Future[torch.Tensor]:
     client = state.client
     assert client is not None
     buffer = bucket.buffer()
-    key = bucket.index()
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     # Every bucket takes the same path (chunks, shards, window, retries, stats);
     # the codec decides only where it is quantized and where its mean is decoded.
@@ -487,11 +522,11 @@ def _push_bucket(state: GradqHookState, bucket: dist.GradBucket, step: int) -> t
 
     def deliver(done: Any) -> None:
         try:
-            mean = done.result()
+            done.result()  # every piece's mean is in ``out``
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
             return
-        result.set_result(torch.as_tensor(mean).to(buffer.device, buffer.dtype).view_as(buffer))
+        result.set_result(torch.as_tensor(out).to(buffer.device, buffer.dtype).view_as(buffer))
 
     # Encoding and building the request move to the state's sender thread, so
     # backward goes on computing earlier buckets' gradients meanwhile (the kernels
@@ -500,7 +535,18 @@ def _push_bucket(state: GradqHookState, bucket: dist.GradBucket, step: int) -> t
     def send() -> None:
         try:
             dtype = str(buffer.dtype).removeprefix("torch.")  # a host copy is float32; stats compare with this
-            client.push_pull_async(step, key, values, out=out, dtype=dtype).add_done_callback(deliver)
+            parts = [
+                client.push_pull_async(
+                    step,
+                    key,
+                    values[piece.begin : piece.end],
+                    out=out[piece.begin : piece.end],
+                    dtype=dtype,
+                    config=piece.config,
+                )
+                for key, piece in pieces
+            ]
+            assemble(parts, out, (len(out),)).add_done_callback(deliver)
         except Exception as error:  # handed to DDP, which raises it in backward
             result.set_exception(error)  # type: ignore[arg-type]
 

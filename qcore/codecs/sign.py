@@ -70,7 +70,7 @@ class SignCodec(Codec):
         return channel_size
 
     def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
-        """The same scaled-sign grid (keep --server-error-feedback on: the mean loses its magnitudes too)."""
+        """The same scaled-sign grid (the mean loses its magnitudes; ``--server-error-feedback true`` carries them)."""
         return QuantConfig(self.scheme, 1, channel_size)
 
     def encode(

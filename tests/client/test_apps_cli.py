@@ -171,6 +171,7 @@ def test_gradq_worker_elastic_hosts_train_one_job_without_peers(aggregator: Aggr
     outputs = [host.communicate(timeout=240)[0] for host in hosts]
     for host, output in zip(hosts, outputs, strict=True):
         assert host.returncode == 0, output
-        assert re.search(r"member [01]: steps 0\.\.120, held-out loss [0-9.]+, accuracy [0-9.]+%; verdict: PASS", output)
+        verdict = r"member [01]: steps 0\.\.120, held-out loss [0-9.]+, accuracy [0-9.]+%; verdict: PASS"
+        assert re.search(verdict, output)
     assert aggregator.table.counters["rounds_failed"] == 0
     assert aggregator.table.counters["rounds_completed"] >= 120

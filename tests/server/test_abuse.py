@@ -215,10 +215,13 @@ def test_3c_waiting_calls_hold_no_thread_of_the_server() -> None:
 
 
 def test_4_open_rounds_past_the_memory_budget_are_refused_and_memory_comes_back() -> None:
-    budget, share = 42 << 20, 24 << 20  # the warm-up and the legitimate job retain a little under 1 MiB
+    # The warm-up and the legitimate job retain a little under 1 MiB; a job's share holds three
+    # accumulators and their buckets' remembered grids (GRID_ENTRY_BYTES each).
+    budget, share = 42 << 20, (24 << 20) + 4096
     process, port = spawn_aggregator(
         "--max-memory-bytes", str(budget), "--max-job-memory-bytes", str(share), "--round-timeout", "2",
-        "--log-level", "WARNING", stderr=subprocess.DEVNULL,
+        # The accumulators alone: server error-feedback residuals are charged too (test_memory_model).
+        "--server-error-feedback", "false", "--log-level", "WARNING", stderr=subprocess.DEVNULL,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
     try:

@@ -21,6 +21,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.round_state import FAILED_ROUND_BYTES
 from gradq.server.rounds import RoundTable, RoundTicket
+from gradq.server.step_window import GRID_ENTRY_BYTES
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 TIMEOUT_S = 2.0
@@ -140,13 +141,13 @@ def test_a_remembered_failure_is_charged_to_its_job_and_dropped_with_its_step() 
     failure = table.jobs.all()[0].rounds[(0, 0)]
     assert failure.charged == FAILED_ROUND_BYTES + len(str(failure.error))
     assert failure.contributors == set() and failure.digests == {} and failure.arrivals == {}
-    assert table.budget.in_use == failure.charged
+    assert table.budget.in_use == failure.charged + GRID_ENTRY_BYTES  # and bucket 0's grid
     for step in range(1, 5):  # the window moves past step 0: its failure goes, and its charge
         tickets = [push(table, step, rank) for rank in (0, 1)]
         table.wait(tickets[0])
     assert (0, 0) not in table.jobs.all()[0].rounds
     retained = sum(rnd.charged for rnd in table.jobs.all()[0].rounds.values())
-    assert table.budget.in_use == retained == 3 * table.jobs.all()[0].rounds[(4, 0)].charged
+    assert table.budget.in_use - GRID_ENTRY_BYTES == retained == 3 * table.jobs.all()[0].rounds[(4, 0)].charged
 
 
 def test_a_member_failing_rounds_on_purpose_exhausts_only_its_own_share() -> None:

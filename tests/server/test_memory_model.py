@@ -27,6 +27,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import package_result
+from gradq.server.step_window import GRID_ENTRY_BYTES
 
 CONFIG = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8)
 RETAIN_STEPS = 2
@@ -48,7 +49,9 @@ def retained_model(bucket_sizes: list[int], chunk_elements: int) -> tuple[int, i
 def test_a_servers_retained_means_are_the_models_and_the_budget_counts_them() -> None:
     buckets, chunk_elements, world, steps = [300_000, 1 << 20, 70_000], 1 << 18, 2, 6
     server = AggregatorServer(
-        RoundPolicy(round_timeout_s=30.0, retain_steps=RETAIN_STEPS), ServerOptions("127.0.0.1:0", grace_s=0.5)
+        # The means alone: the server error-feedback residuals are the next tests'.
+        RoundPolicy(round_timeout_s=30.0, retain_steps=RETAIN_STEPS, server_error_feedback=False),
+        ServerOptions("127.0.0.1:0", grace_s=0.5),
     )
     server.start()
     address = f"127.0.0.1:{server.port}"
@@ -91,16 +94,18 @@ def test_a_servers_retained_means_are_the_models_and_the_budget_counts_them() ->
     rounds, model = retained_model(buckets, chunk_elements)
     assert measured["steps"] == RETAIN_STEPS + 1
     assert measured["means_kept"] == 0  # the wire form is the only copy
-    # The budget counts exactly the retained means (no round is open), and they are the model's.
-    assert measured["in_use"] == measured["packaged"]
-    assert model <= measured["in_use"] <= model + (RETAIN_STEPS + 1) * rounds * FRAMING_BYTES
+    # The budget counts exactly the retained means (no round is open) and each round key's grid,
+    # and the means are the model's.
+    means = measured["in_use"] - rounds * GRID_ENTRY_BYTES
+    assert means == measured["packaged"]
+    assert model <= means <= model + (RETAIN_STEPS + 1) * rounds * FRAMING_BYTES
 
 
 def test_a_retained_mean_is_held_once() -> None:
     """The Python heap the table keeps after its rounds is the budget's count, not twice it."""
     numel, steps = 1 << 20, 6
     decode(encode(np.ones(numel, np.float32), CONFIG))  # the kernels' first-call allocations happen before
-    table = RoundTable(RoundPolicy(retain_steps=RETAIN_STEPS), package=package_result)
+    table = RoundTable(RoundPolicy(retain_steps=RETAIN_STEPS, server_error_feedback=False), package=package_result)
     table.join("job", 0, 1)
     gradient = np.random.default_rng(0).standard_normal(numel, np.float32)
     gc.collect()
@@ -115,7 +120,7 @@ def test_a_retained_mean_is_held_once() -> None:
     finally:
         tracemalloc.stop()
         logging.disable(logging.NOTSET)
-    in_use = table.budget.in_use
+    in_use = table.budget.in_use - GRID_ENTRY_BYTES  # the means, without bucket 0's remembered grid
     one_mean = codec_for(CONFIG.scheme).wire_size(numel, CONFIG)
     assert (RETAIN_STEPS + 1) * one_mean <= in_use <= (RETAIN_STEPS + 1) * (one_mean + FRAMING_BYTES)
     print(f"retained: budget {in_use} bytes, Python heap {held} bytes")
@@ -132,7 +137,8 @@ def test_server_error_feedback_residuals_are_charged_until_the_job_ends() -> Non
             table.wait(table.push("job", step, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
     job = table.jobs.all()[0]
     means = sum(rnd.charged for rnd in job.rounds.values())
-    assert table.budget.in_use == means + 2 * 4 * numel  # one fp32 residual per round key
+    # One fp32 residual and one remembered grid per round key.
+    assert table.budget.in_use == means + 2 * (4 * numel + GRID_ENTRY_BYTES)
     table.leave("job", 0)
     assert table.budget.in_use == 0
 

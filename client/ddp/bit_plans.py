@@ -1,0 +1,62 @@
+"""The adaptive bit policy's pieces of each DDP bucket, planned once per bucket layout and the same on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradq.client.bit_policy import ParameterGradient, Piece, assign_bits, plan_pieces, relative_error_at
+from gradq.qcore import QuantConfig
+
+__all__ = ["BitPlans"]
+
+
+class BitPlans:
+    """Bucket index -> its pieces as (round key, piece); a new layout (DDP's rebuild) gets a new plan.
+
+    Each piece has a round key of its own, never reused: the aggregator fixes
+    a key's grid at its first push, and a rebuilt bucket index may hold other
+    parameters with other bits. Every rank plans the same buckets in the same
+    order, so they draw the same keys.
+    """
+
+    __slots__ = ("_next_key", "_plans")
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[list[int], list[tuple[int, Piece]]]] = {}
+        self._next_key = 0
+
+    def plan(
+        self, bucket: dist.GradBucket, low: QuantConfig, average_bits: float, group: dist.ProcessGroup
+    ) -> list[tuple[int, Piece]]:
+        """The bucket's pieces: planned from this iteration's gradients the first time its layout is seen.
+
+        Each parameter's error is averaged over the ranks (one small allreduce
+        per new layout), so every rank chooses the same bits.
+        """
+        params = list(bucket.parameters())
+        ids = [id(param) for param in params]
+        known = self._plans.get(bucket.index())
+        if known is not None and known[0] == ids:
+            return known[1]
+        buffer = bucket.buffer().detach().reshape(-1)
+        numels = [param.numel() for param in params]
+        if sum(numels) != buffer.numel():  # not its parameters end to end: one piece on the configured grid
+            pieces = [Piece(0, buffer.numel(), low)]
+        else:
+            errors = torch.zeros(len(params), dtype=torch.float64)
+            offset = 0
+            for index, numel in enumerate(numels):
+                errors[index] = relative_error_at(buffer[offset : offset + numel].float().cpu().numpy(), low)
+                offset += numel
+            dist.all_reduce(errors, group=group)
+            errors /= dist.get_world_size(group)
+            described = [
+                ParameterGradient(numel, param.dim(), float(error))
+                for numel, param, error in zip(numels, params, errors, strict=True)
+            ]
+            pieces = plan_pieces(numels, assign_bits(described, low.bits, average_bits), low)
+        plan = [(self._next_key + number, piece) for number, piece in enumerate(pieces)]
+        self._next_key += len(pieces)
+        self._plans[bucket.index()] = (ids, plan)
+        return plan
