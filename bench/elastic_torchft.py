@@ -2,7 +2,7 @@
 
     python bench/elastic_torchft.py --python /tmp/ftvenv/bin/python [--hosts 3] [--steps 400] [--kill-at 100]
         [--join-at 150] [--step-sleep 0.02] [--quorum-tick-ms 100] [--join-timeout-ms 1000]
-        [--heartbeat-timeout-ms 5000] [--write]
+        [--heartbeat-timeout-ms 5000]
 
 torchft is not a gradq dependency: ``--python`` names an interpreter that has
 torch, torchft, numpy and scikit-learn (this script itself needs only the
@@ -24,7 +24,7 @@ Two runs, one after the other (as bench/elastic.py):
   yet: torchft has no standby of its own) is told to join, and a cold replica
   (a fresh process) is started at the same moment.
 
-Printed (and written to bench/results/elastic-torchft.md with --write): the rows of bench/elastic.py.
+Printed: the rows of bench/elastic.py (bench/results/elastic-torchft.md has both side by side).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 from elastic_hosts import ElasticHost, wait_for
 
-RESULTS = Path(__file__).with_name("results") / "elastic-torchft.md"
-
 
 def main() -> None:
     """Run both schedules and print the table (or, with --replica, be one replica group)."""
@@ -62,7 +60,6 @@ def main() -> None:
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="the lighthouse's")
     parser.add_argument("--join-timeout-ms", type=int, default=1000, help="the lighthouse's")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000, help="the lighthouse's (its default)")
-    parser.add_argument("--write", action="store_true", help=f"also write {RESULTS.name} under bench/results")
     parser.add_argument("--replica", type=int, help=argparse.SUPPRESS)  # the child: this replica group's id
     parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--start-when", type=Path, help=argparse.SUPPRESS)
@@ -77,8 +74,6 @@ def main() -> None:
         faults = _faults(folder, args)
     table = _table(args, steady, faults)
     print(table)
-    if args.write:
-        RESULTS.write_text(table + "\n")
 
 
 class _Lighthouse:
@@ -208,6 +203,8 @@ def _in_sync(joiner: ElasticHost, reference: dict[int, dict[str, Any]]) -> tuple
     """When the joiner's first step finished, and whether its parameters equal the survivors' after that step."""
     first = min(joiner.steps())
     record = joiner.steps()[first]
+    if first == 0:  # with --steps too few for its start-up, the survivors had finished: it trained alone
+        return float(record["finished_at"]), "never joined the survivors (they had finished; it started at step 0)"
     same = record["parameters_sha256"] == reference[first]["parameters_sha256"]
     return float(record["finished_at"]), "bit for bit" if same else "parameters DIFFER from the survivors'"
 
