@@ -269,18 +269,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(status)
 
 
+def _grid_and_security(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[QuantConfig, ChannelSecurity]:
+    """The push grid and the channel security the flags ask for; a bad one ends in argparse's error (exit 2)."""
+    try:
+        token = args.token_file.read_text().strip() if args.token_file else None
+        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
+        return QuantConfig(scheme=args.scheme, bits=args.bits), security
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+
+
 def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespace, aggregators: list[str]) -> int:
     """One host of an elastic job (see gradq.client.ddp.elastic): exit 0 at or above --min-accuracy."""
     if args.job_id is None:
         parser.error("--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it")
     if len(aggregators) != 1:
         parser.error(f"--elastic-hosts: an elastic job runs on one aggregator; got {len(aggregators)}")
-    try:
-        config = QuantConfig(scheme=args.scheme, bits=args.bits)
-        token = args.token_file.read_text().strip() if args.token_file else None
-        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-    except (ValueError, OSError) as error:
-        parser.error(str(error))
+    config, security = _grid_and_security(parser, args)
     try:
         wait_for_aggregators(aggregators, args.connect_timeout, security)
     except AggregationError as error:
@@ -331,12 +338,7 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         return _train_elastic_host(parser, args, aggregators)
     if args.world_size is None:
         parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
-    try:
-        config = QuantConfig(scheme=args.scheme, bits=args.bits)
-        token = args.token_file.read_text().strip() if args.token_file else None
-        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-    except (ValueError, OSError) as error:
-        parser.error(str(error))
+    config, security = _grid_and_security(parser, args)
     discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
     verdict: list[int] = []  # 0 or 1 once this rank has its result
 
