@@ -13,6 +13,8 @@ lines in it are::
     state.share(model, optimizer)
     step = state.start()  # 0, or the step a joiner received the state at
 
+Under one torchrun per host (``torchrun --standalone --nproc_per_node=N
+examples/elastic_train.py ...``) the host's ranks reduce together first.
 ``--report FILE`` appends one JSON line per step (step, time, loss, parameter
 digest, ranks training) and one for the result, for tests and bench/elastic.py.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +70,8 @@ def main() -> None:
         join_when=args.join_when,
     )
     result = train_elastic(spec)
-    write("result", result)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, the host's first rank reports for it
+        write("result", result)
     print(
         f"member {result.member}: steps {result.first_step}..{result.first_step + result.steps}, "
         f"held-out loss {result.held_out_loss:.4f}, accuracy {result.accuracy:.1f}%",

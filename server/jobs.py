@@ -209,6 +209,12 @@ class JobTable:
                 raise FailedPreconditionError(
                     f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
                 )
+            held = set(job.ranks.values())
+            if job.elastic and held and held != {ranks}:
+                raise FailedPreconditionError(
+                    f"ranks={ranks} does not match elastic {job.describe()}, whose hosts hold {held.pop()} ranks "
+                    f"each; every host of an elastic job holds as many (its buckets are cut into that many pieces)"
+                )
             if rank == ANY_RANK:
                 rank = _lowest_free(job, self.limits.max_world_size)
             if job.ranks.get(rank, ranks) != ranks:

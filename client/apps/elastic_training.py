@@ -3,14 +3,17 @@
 Hosts that start the job start from the same seed (there is no broadcast
 between hosts); one that joins later receives the model and optimizer state
 from a live host (see gradq.client.ddp.elastic) and trains from that step on.
-Each step's batch is drawn from the step and the host's member id, so a run's
-data does not depend on when a host came or went.
+Each step's batch is drawn from the step, the host's member id and the rank
+within the host, so a run's data does not depend on when a host came or went.
+Run it in one process per host, or under one torchrun per host (the host's
+ranks then reduce together first).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -68,7 +71,7 @@ class ElasticSpec:
         batch_size, learning_rate, seed, hidden: the usual (AdamW; the rate
             decays on a cosine to 0 at ``steps``, a function of the step alone).
         step_sleep_s: pause after each step (a benchmark's stand-in for a bigger model's compute).
-        on_step: called after every step.
+        on_step: called after every step (on the host's first rank).
         join_when: a standby host: build everything, then join only once this file exists.
     """
 
@@ -92,8 +95,13 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
     """Train this host until ``spec.steps``; returns its result (held-out loss on the same split on every host)."""
     torch.set_num_threads(1)  # several hosts may share a few cores
     with tempfile.TemporaryDirectory() as rendezvous:
-        # A process group of this process alone: hosts meet only at the aggregator.
-        dist.init_process_group("gloo", init_method=f"file://{Path(rendezvous) / 'pg'}", rank=0, world_size=1)
+        # The host's own process group: its launcher's (torchrun's) ranks, or this process alone.
+        # Hosts meet only at the aggregator.
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{Path(rendezvous) / 'pg'}", rank=0, world_size=1)
+        local_rank = dist.get_rank()
         state: GradqHookState | None = None
         try:
             x_train, y_train, x_test, y_test = load_digits_split(spec.seed)
@@ -121,7 +129,8 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
             while step < spec.steps:
                 for group in optimizer.param_groups:
                     group["lr"] = spec.learning_rate * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
-                batch = np.random.default_rng([spec.seed, step, member]).choice(len(y_train), spec.batch_size)
+                draw = np.random.default_rng([spec.seed, step, member, local_rank])
+                batch = draw.choice(len(y_train), spec.batch_size)
                 loss = nn.functional.cross_entropy(
                     model(torch.from_numpy(x_train[batch])), torch.from_numpy(y_train[batch])
                 )
@@ -129,7 +138,7 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
                 loss.backward()
                 optimizer.step()
                 world = state.world()
-                if spec.on_step is not None:
+                if spec.on_step is not None and local_rank == 0:
                     spec.on_step(
                         ElasticStep(step, member, time.time(), loss.item(), _digest(model), world.ranks if world else 0)
                     )

@@ -1,8 +1,13 @@
 """Elastic training through the DDP hook: hosts that are lost and hosts that join while the job trains.
 
-Each host is one process with its own process group (``elastic_hosts=N`` on
-its GradqHookState, the same job id on every host, one aggregator). The
-aggregator's members are the hosts; the job trains once N have joined. Then:
+Each host is one process with a process group of its own, or a host's ranks
+under their own launch (e.g. one torchrun per host), whose process group is
+the host's (``elastic_hosts=N`` on every rank's GradqHookState, the same job
+id everywhere, one aggregator). The aggregator's members are the hosts: a
+host's ranks reduce each bucket together first and push its pieces as that
+member (two-level, see gradq.client.ddp.host_groups), and its first rank
+joins, sends and receives the state for all of them. Every host must hold the
+same number of ranks. The job trains once N hosts have joined. Then:
 
 - **A host is lost** (its process dies, or its host drops off the network):
   the aggregator drops it within about a second (its Watch stream ends) and
@@ -23,9 +28,10 @@ learning rate or the batch).
 
 from __future__ import annotations
 
+import datetime
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +39,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp.host_groups import HostGroup
+from gradq.client.elastic import ANY_RANK
 from gradq.client.sending import AggregationError
+from gradq.client.worker import WorkerClient
 
 if TYPE_CHECKING:
     from gradq.client.ddp.hook import GradqHookState
@@ -43,19 +51,56 @@ __all__ = ["elastic_host", "serve_joiners", "share_objects", "start_member", "tr
 log = logging.getLogger(__name__)
 
 
-def elastic_host(group: dist.ProcessGroup, hosts: int) -> HostGroup:
-    """This process as an elastic host: one member standing for one rank (its id comes from the aggregator).
+def elastic_host(group: dist.ProcessGroup, hosts: int, timeout_s: float) -> HostGroup:
+    """This host as one elastic member: its process group's ranks reduce together first (two-level).
+
+    The member id comes from the aggregator at the Join. Every host of a job
+    must hold as many ranks (its buckets are cut into that many pieces); the
+    aggregator refuses a host that holds another number. Collective over ``group``.
 
     Raises:
-        ValueError: the process group holds more than this process.
+        ValueError: several ranks, but ``group`` is not the default group (the local groups are made from it).
     """
     size = dist.get_world_size(group)
-    if size != 1:
-        raise ValueError(
-            f"elastic_hosts={hosts}: each elastic host is one process with a process group of its own; "
-            f"this group holds {size} ranks (several ranks per elastic host are not supported)"
+    if size == 1:
+        return HostGroup(
+            host=0, hosts=hosts, local_rank=0, local_size=1, pieces=1, reduce_group=None, gather_group=None
         )
-    return HostGroup(host=0, hosts=hosts, local_rank=0, local_size=1, pieces=1, reduce_group=None, gather_group=None)
+    if size != dist.get_world_size():
+        raise ValueError(
+            f"elastic_hosts={hosts}: a host's {size} ranks reduce over DDP's process group, which must be the "
+            f"default group of the host's own launch (e.g. its torchrun)"
+        )
+    ranks = dist.get_process_group_ranks(group)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    reducing, gathering = dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout)
+    return HostGroup(0, hosts, dist.get_rank(group), size, size, reducing, gathering)
+
+
+def join_elastic_host(
+    group: dist.ProcessGroup,
+    host: HostGroup,
+    client_for: Callable[[int, str], WorkerClient],
+    join: Callable[[WorkerClient], AggregationError | None],
+    incarnation: str,
+) -> tuple[WorkerClient | None, AggregationError | None]:
+    """The host's first rank joins for any member id; its other ranks then join as that member, in its run.
+
+    Collective over ``group``. Returns this rank's client (None when the
+    first rank could not join) and its own failure to join, if any.
+    """
+    client: WorkerClient | None = None
+    failure: AggregationError | None = None
+    if host.local_rank == 0:
+        client = client_for(ANY_RANK, incarnation)
+        failure = join(client)
+    joined: list[Any] = [(client.rank, client.incarnation) if client is not None and failure is None else None]
+    if host.local_size > 1:
+        dist.broadcast_object_list(joined, src=dist.get_global_rank(group, 0), group=group)
+        if host.local_rank != 0 and joined[0] is not None:
+            client = client_for(*joined[0])
+            failure = join(client)
+    return client, failure
 
 
 def share_objects(state: GradqHookState, objects: Sequence[Any]) -> None:
@@ -110,28 +155,44 @@ def start_member(state: GradqHookState) -> int:
         fix_bucket_layout(state._shared)
     if state.mode is None:
         state._connect()
-    client = state.client
-    if client is None or not client.catch_up:
+    client, host = state.client, state._host
+    if client is None or host is None or not client.catch_up:
         return state.step
-    received = client.fetch_state()
+    # The host's first rank receives the state; its other ranks get it from that rank.
+    received: list[Any] = [None]
+    if host.local_rank == 0:
+        try:
+            received[0] = client.fetch_state()
+        except AggregationError as error:  # the host's other ranks must not wait for it forever
+            received[0] = (error.address, error.details)
+            if host.local_size == 1:
+                raise
+    if host.local_size > 1:
+        group = state._group()
+        dist.broadcast_object_list(received, src=dist.get_global_rank(group, 0), group=group)
+        client.catch_up = False
+    state_bytes = received[0]
+    if isinstance(state_bytes, tuple):
+        address, details = state_bytes
+        raise AggregationError(address, None, f"the host's first rank could not receive the state: {details}")
     # weights_only: the bytes come from another host through the aggregator, so no pickled code runs.
-    payload = torch.load(io.BytesIO(received.data), map_location="cpu", weights_only=True)
+    payload = torch.load(io.BytesIO(state_bytes.data), map_location="cpu", weights_only=True)
     objects = payload["objects"]
     if len(objects) != len(state._shared):
         raise ValueError(
-            f"member {received.sender} shared {len(objects)} objects, this host {len(state._shared)}; "
+            f"member {state_bytes.sender} shared {len(objects)} objects, this host {len(state._shared)}; "
             f"every host must share the same objects in the same order"
         )
     for shared, saved in zip(state._shared, objects, strict=True):
         shared.load_state_dict(saved)
-    state.step = received.step
+    state.step = state_bytes.step
     log.info(
         "joined %s as member %d at step %d: %d bytes of state from member %d",
         state.job_id,
         client.rank,
-        received.step,
-        len(received.data),
-        received.sender,
+        state_bytes.step,
+        len(state_bytes.data),
+        state_bytes.sender,
     )
     return state.step
 
@@ -145,10 +206,12 @@ def serve_joiners(state: GradqHookState, step: int) -> None:
     if step == state._served_step:
         return
     state._served_step = step
-    client = state.client
+    client, host = state.client, state._host
     world = client.world if client is not None else None
     if client is None or world is None or not world.joiners or world.donor != client.rank:
         return
+    if host is not None and host.local_rank != 0:
+        return  # the host's first rank sends, before its first collective of the step: the others wait in it
     data = training_state(state, step)
     for joiner in world.joiners:
         try:

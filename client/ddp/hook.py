@@ -22,14 +22,14 @@ from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS, assemble
 from gradq.client.ddp.allgather_hooks import allgather_perchannel_hook, allreduce_mean_hook
 from gradq.client.ddp.bit_plans import BitPlans
 from gradq.client.ddp.checkpoint import checkpoint_of, resume_from
-from gradq.client.ddp.elastic import elastic_host, serve_joiners, share_objects, start_member
+from gradq.client.ddp.elastic import elastic_host, join_elastic_host, serve_joiners, share_objects, start_member
 from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOST_GROUPINGS, hook_arguments_from_env
 from gradq.client.ddp.errors import BackwardFailures
 from gradq.client.ddp.host_groups import HostGroup, find_host_group, push_through_host
 from gradq.client.ddp.lifecycle import Membership, draw_run_names
 from gradq.client.ddp.placement import CODECS, bucket_and_output, on_callers_stream
 from gradq.client.ddp.residuals import ParameterResiduals
-from gradq.client.elastic import ANY_RANK, JobWorld
+from gradq.client.elastic import JobWorld
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
 from gradq.client.stats import ClientStats
@@ -107,11 +107,12 @@ class GradqHookState:
         host: this rank's host name, for launchers that set no node rank:
             ranks given the same name reduce together (None: the launcher's).
         elastic_hosts: 0 for a fixed job; N > 0 makes the job elastic (see
-            gradq.client.ddp.elastic): each host is one process with its own
-            process group, the job starts training once N hosts have joined,
-            hosts may then be lost (the others go on) and join (they receive
-            the training state of the objects given to ``share`` at a step
-            boundary). Call ``start()`` before training.
+            gradq.client.ddp.elastic): each host is one process, or a host's
+            ranks under their own launch, with the host's process group; the
+            job starts training once N hosts have joined, hosts may then be
+            lost (the others go on) and join (they receive the training state
+            of the objects given to ``share`` at a step boundary). Call
+            ``start()`` before training.
         bit_policy: "uniform" pushes every bucket on ``config``; "adaptive"
             splits each bucket at parameter boundaries and gives 1-D and
             hard-to-quantize parameters more bits, keeping every bucket's
@@ -399,7 +400,7 @@ class GradqHookState:
         self.job_id, self.incarnation = draw_run_names(group, self.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
         if self.elastic_hosts:
-            host = self._host = elastic_host(group, self.elastic_hosts)
+            host = self._host = elastic_host(group, self.elastic_hosts, self.timeout_s)
         else:
             host = self._host = find_host_group(group, self.host_grouping, self.host, os.environ, self.timeout_s)
         if self.bit_policy == "adaptive" and not host.flat:
@@ -407,39 +408,50 @@ class GradqHookState:
                 f"bit_policy='adaptive' with two-level aggregation ({host.describe()}): the adaptive policy "
                 "splits whole buckets; pass host_grouping='flat' (GRADQ_HOST_GROUPING=flat) or bit_policy='uniform'"
             )
-        client = WorkerClient(
-            self.addresses,
-            self.job_id,
-            ANY_RANK if self.elastic_hosts else host.host,
-            host.hosts,
-            self.config,
-            elastic=bool(self.elastic_hosts),
-            ranks=host.local_size,
-            error_feedback=self.error_feedback,
-            timeout_s=self.timeout_s,
-            security=self.security,
-            chunk_elements=self.chunk_elements,
-            max_in_flight=self.max_in_flight,
-            incarnation=self.incarnation,
-            reconnect_timeout_s=self.connect_timeout_s,
-        )
-        failure: AggregationError | None = None
-        try:
-            client.timeout_s = self.connect_timeout_s
-            client.join()
-            client.timeout_s = self.timeout_s
-        except AggregationError as error:
-            failure = error
-            client.close()
-        reachable = torch.tensor([0 if failure else 1], dtype=torch.int32)
+
+        def client_for(rank: int, incarnation: str) -> WorkerClient:
+            return WorkerClient(
+                self.addresses,
+                str(self.job_id),
+                rank,
+                host.hosts,
+                self.config,
+                elastic=bool(self.elastic_hosts),
+                ranks=host.local_size,
+                error_feedback=self.error_feedback,
+                timeout_s=self.timeout_s,
+                security=self.security,
+                chunk_elements=self.chunk_elements,
+                max_in_flight=self.max_in_flight,
+                incarnation=incarnation,
+                reconnect_timeout_s=self.connect_timeout_s,
+            )
+
+        def join(client: WorkerClient) -> AggregationError | None:
+            try:
+                client.timeout_s = self.connect_timeout_s
+                client.join()
+                client.timeout_s = self.timeout_s
+            except AggregationError as error:
+                client.close()
+                return error
+            return None
+
+        if self.elastic_hosts:  # the member id comes from the aggregator, through the host's first rank
+            client, failure = join_elastic_host(group, host, client_for, join, self.incarnation)
+        else:
+            client = client_for(host.host, self.incarnation)
+            failure = join(client)
+        reachable = torch.tensor([1 if client is not None and failure is None else 0], dtype=torch.int32)
         dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=group)
         if reachable.item() == 1:
+            assert client is not None
             self._client, self._mode = client, "gradq"
             self._membership = Membership(self, client)
             if self.elastic_hosts:  # the member id the aggregator assigned, and the run joined
                 self._host, self.incarnation = replace(host, host=client.rank), client.incarnation
             return
-        if failure is None:
+        if failure is None and client is not None:
             client.close()
         where = str(failure) if failure else "another rank could not reach the aggregator"
         if self.fallback == "error":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
 
@@ -50,12 +53,16 @@ def start_host(
     report: Path,
     step_sleep_s: float,
     join_when: Path | None = None,
+    ranks: int = 1,
 ) -> ElasticHost:
     """Start one host of ``job_id``; it trains until ``steps`` and reports every step to ``report``.
 
     With ``join_when`` it is a standby: it loads torch and builds its model, then joins once that file exists.
+    With ``ranks`` > 1 the host is a torchrun of that many processes (their group reduces together first).
     """
-    command = [sys.executable, str(EXAMPLE), "--aggregator", address, "--job-id", job_id, "--hosts", str(hosts)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command = [*(launcher if ranks > 1 else [sys.executable]), str(EXAMPLE)]
+    command += ["--aggregator", address, "--job-id", job_id, "--hosts", str(hosts)]
     command += ["--steps", str(steps), "--step-sleep", str(step_sleep_s), "--report", str(report)]
     command += ["--join-when", str(join_when)] if join_when is not None else []
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -74,6 +81,19 @@ def wait_for(what: str, done: Callable[[], bool], timeout_s: float, hosts: list[
                     outputs.append(host.process.stdout.read().decode(errors="replace")[-2000:])
             raise AssertionError(f"timed out waiting for {what}; exited hosts printed: {outputs}")
         time.sleep(0.02)
+
+
+def stop(host: ElasticHost) -> None:
+    """Kill a host and every process it started (a torchrun's ranks), and reap it."""
+    try:
+        children = psutil.Process(host.process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    host.process.kill()
+    host.process.wait()
 
 
 def finish(hosts: list[ElasticHost], timeout_s: float) -> None:

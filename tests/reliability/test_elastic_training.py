@@ -17,8 +17,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from elastic_hosts import ElasticHost, finish, start_host, wait_for
+from elastic_hosts import ElasticHost, finish, start_host, stop, wait_for
 
 from gradq.server.process import free_port, spawn_aggregator
 
@@ -60,8 +61,7 @@ def test_survivors_train_on_and_a_replacement_catches_up_bit_for_bit(address: st
         finish([*survivors, replacement], timeout_s=240)
     finally:
         for host in (*hosts, replacement):
-            host.process.kill()
-            host.process.wait()
+            stop(host)
 
     steps = [host.steps() for host in survivors]
     # The stop did not lose anyone: the steps right after it still count three hosts.
@@ -82,6 +82,36 @@ def test_survivors_train_on_and_a_replacement_catches_up_bit_for_bit(address: st
     uninterrupted = _uninterrupted_run(address, tmp_path)
     loss, reference = results[0]["held_out_loss"], uninterrupted["held_out_loss"]
     assert abs(loss - reference) <= LOSS_TOLERANCE * reference, (loss, reference)
+
+
+def test_hosts_of_two_ranks_lose_one_and_a_standby_host_catches_up(address: str, tmp_path: Path) -> None:
+    # Each host is a torchrun of 2 ranks: they reduce a bucket together, then push its pieces as one member.
+    go = tmp_path / "join"
+    hosts = [start_host(address, "wide", 3, 150, tmp_path / f"wide{i}.jsonl", STEP_SLEEP_S, ranks=2) for i in range(3)]
+    standby = start_host(address, "wide", 3, 150, tmp_path / "standby.jsonl", STEP_SLEEP_S, go, ranks=2)
+    survivors, victim = hosts[:2], hosts[2]
+    everyone = [*hosts, standby]
+    try:
+        wait_for("the victim at step 10", lambda: victim.last_step() >= 10, 180, everyone)
+        psutil.Process(victim.process.pid).children()[-1].kill()  # one rank of the host dies: the host is lost
+        killed_at = time.time()
+        wait_for("the survivors at step 25", lambda: min(h.last_step() for h in survivors) >= 25, 120, everyone)
+        go.touch()
+        finish([*survivors, standby], timeout_s=300)
+    finally:
+        for host in everyone:
+            stop(host)
+    steps = [host.steps() for host in survivors]
+    assert steps[0][5]["ranks"] == 6  # three hosts of two ranks
+    for survivor in steps:
+        after = min((record for record in survivor.values() if record["finished_at"] > killed_at), key=_step)
+        assert after["finished_at"] - killed_at < 5.0, after
+    assert steps[0][24]["ranks"] == 4
+    joined = min(standby.steps())
+    assert 25 < joined < 60, joined
+    assert standby.steps()[joined]["parameters_sha256"] == steps[0][joined]["parameters_sha256"]
+    assert steps[0][joined + 5]["ranks"] == 6
+    assert len({host.result()["parameters_sha256"] for host in (*survivors, standby)}) == 1
 
 
 def _uninterrupted_run(address: str, tmp_path: Path) -> dict[str, float]:

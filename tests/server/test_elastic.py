@@ -261,3 +261,9 @@ def _membership(port: int) -> dict[str, int]:
     found = re.findall(r'gradq_membership_events_total\{event="(\w+)",job="m"\} ([0-9.]+)', text)
     found += re.findall(r'gradq_membership_events_total\{job="m",event="(\w+)"\} ([0-9.]+)', text)
     return {event: int(float(count)) for event, count in found}
+
+
+def test_every_host_of_an_elastic_job_holds_as_many_ranks(host: Host) -> None:
+    host(ranks=2)
+    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: ranks=1 does not match elastic .* hold 2 ranks"):
+        host(ranks=1)
