@@ -117,8 +117,8 @@ class ServerOptions:
     Args:
         address: host:port to bind; port 0 picks a free port.
         max_message_bytes: largest request or response accepted, in bytes.
-        max_workers: threads that join, decode and accumulate pushes of more
-            than 1 MiB, average and leave. A PushPull waits for its round on the event loop and
+        max_workers: threads that join, decode and accumulate pushes, average
+            and leave. A PushPull waits for its round on the event loop and
             holds none while it waits, so a few per core suffice.
         grace_s: on stop, rounds in flight get this long to finish.
         tls: serve TLS (and mutual TLS with a client CA); None serves plaintext.

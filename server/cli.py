@@ -203,8 +203,8 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "GRADQ_MAX_WORKERS",
         int,
         _SERVER.max_workers,
-        "threads that decode, accumulate and average pushes of more than 1 MiB (smaller ones: on the event "
-        "loop); a waiting PushPull holds none (it waits on the event loop)",
+        "threads that decode, accumulate and average pushes; a waiting PushPull holds none (it waits on the "
+        "event loop)",
     ),
     (
         "--non-finite",

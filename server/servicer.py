@@ -37,10 +37,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 
 T = TypeVar("T")
 
-# A push up to this size is handled on the event loop from parse to answer: decoding its
-# payload costs less CPU than the hop to the pool and back (a thread woken, the loop woken
-# through its self-pipe; about 15% of a shard's CPU at world 4 with 512 KiB rounds). Larger
-# pushes are parsed and accumulated on the pool, so no call holds up the loop for long.
+# Requests up to this size are parsed on the event loop (tens of microseconds); larger ones on the pool.
+# Decoding stays on the pool whatever the size: on the loop it would cost less CPU (no hop to a
+# thread and back), but a decode that is slow once (the kernels' first load, seconds) or waits for
+# a round's lock would stall every other call, refusals and watches included.
 _ON_LOOP_BYTES = 1 << 20
 # How long a push refused for want of memory or open rounds waits for its answer (bench/abuse.py).
 _REFUSAL_PAUSE_S = 0.1
@@ -93,8 +93,7 @@ class AggregatorServicer:
     Checks that can refuse a push run on the loop, without a pass over its
     payload. Work that takes the round locks (joining, decoding and
     accumulating a push, averaging, leaving) runs on the loop's default
-    executor, a small thread pool, except for pushes of up to 1 MiB, which are
-    decoded and accumulated on the loop (see ``_ON_LOOP_BYTES``); a PushPull then waits for its round as a
+    executor, a small thread pool (see ``_ON_LOOP_BYTES``); a PushPull then waits for its round as a
     coroutine, so a parked call costs no thread. The calls are capped (``WaitingCalls``)
     for their memory. ``asyncio.to_thread`` carries the call's token scope
     into the pool.
@@ -159,9 +158,9 @@ class AggregatorServicer:
         peer = peer_host(context.peer())
         await _call(context, self.waiting.acquire, job_id, peer)
         try:
-            # Every check that can refuse runs here on the loop; only admitted large pushes reach the pool.
+            # Every check that can refuse runs here on the loop; only admitted pushes reach the pool.
             ticket = await self._admit(contribution, context)
-            await run(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
+            await _in_pool(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
             del contribution  # accumulated: nothing of the payload need outlive the push
             result = await self._wait(ticket, context)
         finally:
