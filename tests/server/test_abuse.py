@@ -110,25 +110,40 @@ def test_2_a_token_scoped_to_one_job_cannot_join_push_or_leave_another() -> None
         server.stop()
 
 
+def wait_for_outcomes(calls: list[grpc.Future], count: int, within_s: float) -> list[grpc.Future]:
+    """The calls ended so far, once ``count`` have ended or ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while sum(call.done() for call in calls) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [call for call in calls if call.done()]
+
+
 def test_3_abandoned_calls_end_at_once_and_cannot_starve_another_job() -> None:
-    limits = ServiceLimits(max_waiting_per_job=24, max_waiting_per_peer=200)
-    server = serve(RoundPolicy(round_timeout_s=15.0), limits)
+    cap, pushes = 24, 200
+    limits = ServiceLimits(max_waiting_per_job=cap, max_waiting_per_peer=pushes)
+    server = serve(RoundPolicy(round_timeout_s=30.0), limits)
     address = f"127.0.0.1:{server.port}"
     try:
         channel, attacker = stub(address)
         attacker.Join(pb.JoinRequest(job_id="park", rank=0, world_size=2), timeout=5)
+        # Deadlines far beyond the refusals' latency, so a slow (shared CI) machine still tells
+        # "refused at once" from "waited": every push past the cap ends with a refusal, the cap's
+        # own calls wait until their deadline.
         parked = [
-            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=1.0)
-            for b in range(200)
+            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=8.0)
+            for b in range(pushes)
         ]
-        time.sleep(0.3)
-        refused = [code_and_details(call) for call in parked if call.done()]
-        assert refused and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refused)
-        assert "--max-waiting-per-job=24" in refused[0][1]
+        refused = [code_and_details(call) for call in wait_for_outcomes(parked, pushes - cap, within_s=6.0)]
+        assert len(refused) == pushes - cap
+        assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in refused)
+        assert f"--max-waiting-per-job={cap}" in refused[0][1]
         started = time.monotonic()
-        run_legit_job(address, "legit", 4, range(20))  # while up to 24 calls are parked
+        run_legit_job(address, "legit", 4, range(20))  # while the cap's calls are parked
         assert time.monotonic() - started < 10.0
-        settle(parked)
+        waiting = [call for call in parked if not call.done()]
+        assert len(waiting) == cap
+        settle(waiting)
+        assert all(code_and_details(call)[0] == grpc.StatusCode.DEADLINE_EXCEEDED for call in waiting)
         deadline = time.monotonic() + 2.0
         while server.servicer.waiting.count and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -149,7 +164,7 @@ def test_3b_a_peer_past_its_waiting_cap_is_refused() -> None:
         channel, attacker = stub(f"127.0.0.1:{server.port}")
         attacker.Join(pb.JoinRequest(job_id="park", rank=0, world_size=2), timeout=5)
         parked = [
-            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=1.0)
+            attacker.PushPull.future(push_request("park", 0, 0, gradient(0, 0), bucket=b), timeout=6.0)
             for b in range(12)
         ]
         settle(parked)
