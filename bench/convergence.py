@@ -23,7 +23,8 @@ also records its parameters' sum at the end: a biased mean makes it drift.
 within 1% of the fp32 row's final held-out loss ("never" within the budget).
 With ``--step-times``, each row's steps are multiplied by the median ms/step of
 its counterpart row in a bench/network.py results file (world 4, 1 Gbit/s links
-by default): time to accuracy. Steps do not depend on the machine's load; the
+by default): time to accuracy; the table also shows that row's CPU per step (the
+whole machine's, and the ranks' and shards' own where the file has it). Steps do not depend on the machine's load; the
 step times do, so take them from one network run. The report (markdown, JSON,
 PNG of the curves when matplotlib is installed) goes to
 ``bench/results/convergence-<time>.*``. This is a benchmark, not a test.
@@ -472,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_times = None
     if args.step_times is not None:
         network_keys = {key: METHOD_BY_KEY[key].network_key for key in METHOD_BY_KEY}
-        step_times = convergence_report.network_step_ms(args.step_times, args.world, args.rate, network_keys)
+        step_times = convergence_report.network_step_costs(args.step_times, args.world, args.rate, network_keys)
     report = convergence_report.format_report(curves, labels, {k: t.label for k, t in TASKS.items()}, step_times)
     if args.from_json is None:
         report = f"{_setup(args)}\n\n{report}"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TARGET_SLACK", "steps_to_target", "network_step_ms", "format_report", "plot"]
+__all__ = ["TARGET_SLACK", "StepCost", "steps_to_target", "network_step_costs", "format_report", "plot"]
 
 # A row has reached fp32's accuracy when its held-out loss is within this of fp32's final one.
 TARGET_SLACK = 0.01
@@ -21,8 +22,17 @@ def steps_to_target(curve: Curve, target: float) -> int | None:
     return next((step for step, loss in zip(curve["step"], curve["loss"], strict=True) if loss <= target), None)
 
 
-def network_step_ms(path: Path, world: int, rate: str, network_keys: Mapping[str, str]) -> dict[str, float]:
-    """Median ms/step of each convergence row's counterpart in a bench/network.py results file.
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What one step of a method cost in a bench/network.py run (medians over the file's rows of it)."""
+
+    ms: float  # wall time per step
+    machine_cpu_ms: float  # the whole machine's CPU per step (/proc/stat), other work on it included
+    bench_cpu_ms: float | None  # the ranks' and shards' own CPU per step; None in files from before it was measured
+
+
+def network_step_costs(path: Path, world: int, rate: str, network_keys: Mapping[str, str]) -> dict[str, StepCost]:
+    """Step time and CPU per step of each convergence row's counterpart in a bench/network.py results file.
 
     Args:
         path: the ``network-<time>.json`` a bench/network.py run wrote.
@@ -31,21 +41,31 @@ def network_step_ms(path: Path, world: int, rate: str, network_keys: Mapping[str
         network_keys: convergence row key -> bench/network.py row key.
 
     Returns:
-        convergence row key -> ms/step, for the rows the file measured.
+        convergence row key -> its StepCost, for the rows the file measured.
     """
-    measured: dict[str, list[float]] = {}
+    measured: dict[str, list[dict[str, Any]]] = {}
     for row in json.loads(path.read_text()):
         scenario = row["scenario"]
         if scenario["world_size"] == world and scenario["worker_rate"] == rate == scenario["aggregator_rate"]:
-            measured.setdefault(row["method"]["key"], []).append(row["step_ms"])
-    return {key: statistics.median(measured[net]) for key, net in network_keys.items() if net in measured}
+            measured.setdefault(row["method"]["key"], []).append(row)
+    costs = {}
+    for key, net in network_keys.items():
+        if net in measured:
+            rows = measured[net]
+            bench_cpu = [row["processes_cpu_ms"] for row in rows if row.get("processes_cpu_ms") is not None]
+            costs[key] = StepCost(
+                ms=statistics.median(row["step_ms"] for row in rows),
+                machine_cpu_ms=statistics.median(row["cpu_ms"] for row in rows),
+                bench_cpu_ms=statistics.median(bench_cpu) if bench_cpu else None,
+            )
+    return costs
 
 
 def format_report(
     curves: Mapping[str, Mapping[str, Mapping[str, Curve]]],
     labels: Mapping[str, str],
     task_labels: Mapping[str, str],
-    step_times: Mapping[str, float] | None,
+    step_times: Mapping[str, StepCost] | None,
 ) -> str:
     """One table per (task, optimizer): final held-out loss, gap to fp32, steps (and time) to fp32's loss."""
     sections = []
@@ -60,7 +80,7 @@ def _table(
     optimizer: str,
     rows: Mapping[str, Curve],
     labels: Mapping[str, str],
-    step_times: Mapping[str, float] | None,
+    step_times: Mapping[str, StepCost] | None,
 ) -> str:
     reference = rows["fp32"]["loss"][-1]
     target = reference * (1 + TARGET_SLACK)
@@ -69,7 +89,9 @@ def _table(
     header = ["method", "final held-out loss", "vs fp32"]
     header += ["final accuracy", "vs fp32 (points)"] if has_accuracy else []
     header += [f"steps to fp32 loss +{100 * TARGET_SLACK:g}%"]
-    header += ["ms/step (network)", "time to fp32 loss (s)", "x allreduce"] if step_times else []
+    if step_times:
+        header += ["ms/step (network)", "machine CPU ms/step", "ranks + shards CPU ms/step"]
+        header += ["time to fp32 loss (s)", "x allreduce"]
     lines = [
         f"### {task}, {optimizer.upper() if optimizer == 'sgd' else 'AdamW'}: fp32's final held-out loss "
         f"{reference:.4f} after {budget} steps (target <= {target:.4f})",
@@ -92,7 +114,12 @@ def _table(
         cells.append("never" if reached is None else str(reached))
         if step_times:
             seconds = _seconds(curve, target, step_times, key)
-            cells.append(f"{step_times[key]:.1f}" if key in step_times else "not measured")
+            cost = step_times.get(key)
+            if cost is None:
+                cells += ["not measured"] * 3
+            else:
+                bench_cpu = "not measured" if cost.bench_cpu_ms is None else f"{cost.bench_cpu_ms:.1f}"
+                cells += [f"{cost.ms:.1f}", f"{cost.machine_cpu_ms:.1f}", bench_cpu]
             cells.append("-" if seconds is None else f"{seconds:.1f}")
             speedup = reference_seconds / seconds if seconds and reference_seconds else None
             cells.append("-" if speedup is None else f"{speedup:.2f}x")
@@ -100,11 +127,11 @@ def _table(
     return "\n".join(lines)
 
 
-def _seconds(curve: Curve, target: float, step_times: Mapping[str, float] | None, key: str) -> float | None:
+def _seconds(curve: Curve, target: float, step_times: Mapping[str, StepCost] | None, key: str) -> float | None:
     reached = steps_to_target(curve, target)
     if reached is None or not step_times or key not in step_times:
         return None
-    return reached * step_times[key] / 1e3
+    return reached * step_times[key].ms / 1e3
 
 
 def plot(curves: Mapping[str, Mapping[str, Mapping[str, Curve]]], labels: Mapping[str, str], path: Path) -> Any:
