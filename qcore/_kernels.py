@@ -7,8 +7,12 @@ it is writable, else in the user's cache directory).
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+
+from gradq.qcore._numba_target import prefer_wide_vectors
+
+prefer_wide_vectors()  # before numba is first imported: it reads the target's features then
+from numba import njit, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 # Non-finite floats are exactly those whose exponent bits are all ones; testing
 # the bits as integers keeps the check exact under the fast-math min/max below.
