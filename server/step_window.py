@@ -25,9 +25,11 @@ __all__ = ["GRID_ENTRY_BYTES", "check_step", "check_grid", "contribution_digest"
 # invents bucket keys is refused like one that opens too many rounds, instead of growing the map.
 GRID_ENTRY_BYTES = 256
 
-# Bytes of payload hashed per contribution at most: the digest must cost little
-# beside decoding (crc32 runs at ~1.4 GB/s here, decode-accumulate at ~5).
-_DIGEST_SAMPLE_BYTES = 1 << 18
+# The payload bytes hashed per contribution: at most this many blocks of this size, evenly
+# spaced. The digest must cost little beside decoding: crc32 runs at ~1.4 GB/s here, and
+# hashing contiguous blocks needs no strided copy (a 512 KiB push: 0.16 -> 0.04 ms).
+_DIGEST_BLOCKS = 16
+_DIGEST_BLOCK_BYTES = 4096
 
 
 def check_step(job: Job, step: int, retain_steps: int, max_steps_ahead: int) -> None:
@@ -88,18 +90,23 @@ def check_grid(job: Job, bucket: int, tensor: QuantizedArray, budget: MemoryBudg
 def contribution_digest(tensor: QuantizedArray, non_finite: bool) -> int:
     """A digest of what a rank pushed, to tell a true resend from a different bucket.
 
-    Covers the whole grid (scale and zero point per channel) and up to
-    256 KiB of the payload, evenly strided: a full hash would cost more than
-    decoding. Any change of a channel's range changes its scale, so a
+    Covers the whole grid (scale and zero point per channel), the payload's
+    size and up to 64 KiB of it in evenly spaced blocks: a full hash would cost
+    more than decoding. Any change of a channel's range changes its scale, so a
     different gradient slips through only if it keeps every channel's range
     and differs only in unsampled bytes.
 
     Returns:
         A 32-bit digest.
     """
-    payload = tensor.payload.reshape(-1)
-    stride = max(1, payload.nbytes // _DIGEST_SAMPLE_BYTES)
+    payload = tensor.payload.reshape(-1).data.cast("B")
     digest = zlib.crc32(tensor.scale.tobytes())
     digest = zlib.crc32(tensor.zero_point.tobytes(), digest)
-    digest = zlib.crc32(payload[::stride].tobytes(), digest)
-    return zlib.crc32(bytes([non_finite]), digest)
+    digest = zlib.crc32(payload.nbytes.to_bytes(8, "little") + bytes([non_finite]), digest)
+    if payload.nbytes <= _DIGEST_BLOCKS * _DIGEST_BLOCK_BYTES:
+        return zlib.crc32(payload, digest)
+    last_start = payload.nbytes - _DIGEST_BLOCK_BYTES
+    for block in range(_DIGEST_BLOCKS):  # from the payload's first byte to its last
+        start = block * last_start // (_DIGEST_BLOCKS - 1)
+        digest = zlib.crc32(payload[start : start + _DIGEST_BLOCK_BYTES], digest)
+    return digest
