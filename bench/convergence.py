@@ -24,10 +24,11 @@ within 1% of the fp32 row's final held-out loss ("never" within the budget).
 With ``--step-times``, each row's steps are multiplied by the median ms/step of
 its counterpart row in a bench/network.py results file (world 4, 1 Gbit/s links
 by default): time to accuracy; the table also shows that row's CPU per step (the
-whole machine's, and the ranks' and shards' own where the file has it). Steps do not depend on the machine's load; the
-step times do, so take them from one network run. The report (markdown, JSON,
-PNG of the curves when matplotlib is installed) goes to
-``bench/results/convergence-<time>.*``. This is a benchmark, not a test.
+whole machine's, and the ranks' and the shards' own where the file has them).
+Steps do not depend on the machine's load; the step times do, so take them
+from one network run. The report (markdown, JSON, PNG of the curves when
+matplotlib is installed) goes to ``bench/results/convergence-<time>.*``. This
+is a benchmark, not a test.
 
 ``--hosts HxL`` runs H x L ranks instead, rank r on emulated host r // L (all on
 loopback): the two-level rows (``-2l``) pass ``host=...``, so each host's ranks

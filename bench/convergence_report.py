@@ -28,7 +28,8 @@ class StepCost:
 
     ms: float  # wall time per step
     machine_cpu_ms: float  # the whole machine's CPU per step (/proc/stat), other work on it included
-    bench_cpu_ms: float | None  # the ranks' and shards' own CPU per step; None in files from before it was measured
+    ranks_cpu_ms: float | None  # the training ranks' own CPU per step; None in files from before it was measured
+    shards_cpu_ms: float | None  # the aggregator shards' CPU per step (0 for rows without gradq); None likewise
 
 
 def network_step_costs(path: Path, world: int, rate: str, network_keys: Mapping[str, str]) -> dict[str, StepCost]:
@@ -52,11 +53,15 @@ def network_step_costs(path: Path, world: int, rate: str, network_keys: Mapping[
     for key, net in network_keys.items():
         if net in measured:
             rows = measured[net]
-            bench_cpu = [row["processes_cpu_ms"] for row in rows if row.get("processes_cpu_ms") is not None]
+            # [h] of bench/network.py: the ranks' and the shards' CPU summed; the shards' share apart.
+            split = [row for row in rows if row.get("processes_cpu_ms") is not None]
+            shards = [row.get("aggregator_cpu_ms") or 0.0 for row in split]
+            ranks = [row["processes_cpu_ms"] - shard for row, shard in zip(split, shards, strict=True)]
             costs[key] = StepCost(
                 ms=statistics.median(row["step_ms"] for row in rows),
                 machine_cpu_ms=statistics.median(row["cpu_ms"] for row in rows),
-                bench_cpu_ms=statistics.median(bench_cpu) if bench_cpu else None,
+                ranks_cpu_ms=statistics.median(ranks) if ranks else None,
+                shards_cpu_ms=statistics.median(shards) if shards else None,
             )
     return costs
 
@@ -90,7 +95,7 @@ def _table(
     header += ["final accuracy", "vs fp32 (points)"] if has_accuracy else []
     header += [f"steps to fp32 loss +{100 * TARGET_SLACK:g}%"]
     if step_times:
-        header += ["ms/step (network)", "machine CPU ms/step", "ranks + shards CPU ms/step"]
+        header += ["ms/step (network)", "machine CPU ms/step", "ranks' CPU ms/step", "shards' CPU ms/step"]
         header += ["time to fp32 loss (s)", "x allreduce"]
     lines = [
         f"### {task}, {optimizer.upper() if optimizer == 'sgd' else 'AdamW'}: fp32's final held-out loss "
@@ -116,10 +121,11 @@ def _table(
             seconds = _seconds(curve, target, step_times, key)
             cost = step_times.get(key)
             if cost is None:
-                cells += ["not measured"] * 3
+                cells += ["not measured"] * 4
             else:
-                bench_cpu = "not measured" if cost.bench_cpu_ms is None else f"{cost.bench_cpu_ms:.1f}"
-                cells += [f"{cost.ms:.1f}", f"{cost.machine_cpu_ms:.1f}", bench_cpu]
+                cells += [f"{cost.ms:.1f}", f"{cost.machine_cpu_ms:.1f}"]
+                split = (cost.ranks_cpu_ms, cost.shards_cpu_ms)
+                cells += ["not measured" if ms is None else f"{ms:.1f}" for ms in split]
             cells.append("-" if seconds is None else f"{seconds:.1f}")
             speedup = reference_seconds / seconds if seconds and reference_seconds else None
             cells.append("-" if speedup is None else f"{speedup:.2f}x")
