@@ -4,7 +4,7 @@ LLVM tunes every AVX-512 CPU from Skylake-SP on to prefer 256-bit vectors
 (``prefer-256-bit``), because 512-bit instructions lowered the clock of the
 first of them. On the later cores named below they do not, and qcore's
 kernels, one streaming loop each, run up to twice as fast with them: one
-elementwise quantize loop 8.5 -> 14.5 GB/s on an Emerald Rapids host
+elementwise quantize loop 8 -> 14 GB/s in one run on an Emerald Rapids host
 (``bench/qcore_kernels.py`` has the whole picture). The kernels do no float
 reduction out of order (no fast-math), so the bytes they produce do not
 depend on the vector width.
