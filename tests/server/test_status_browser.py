@@ -57,8 +57,12 @@ def chromium() -> str:
 
 @pytest.fixture
 def running_job(start_aggregator: StartAggregator) -> Iterator[tuple[AggregatorServer, list[WorkerClient]]]:
-    """An aggregator whose job 'resnet-a' trains (2 ranks, a round every ~20 ms) until the test ends."""
-    server = start_aggregator(RoundPolicy(round_timeout_s=0.5), metrics_port=0)
+    """An aggregator whose job 'resnet-a' trains (2 ranks, a round every ~20 ms) until the test ends.
+
+    Its rounds may wait 5 s: chromium starting on a shared CI machine can stall the ranks for
+    over a second, and a failed round would show on the page (CI once saw one fail at 0.5 s).
+    """
+    server = start_aggregator(RoundPolicy(round_timeout_s=5.0), metrics_port=0)
     address = f"127.0.0.1:{server.port}"
     clients = [WorkerClient(address, "resnet-a", rank, 2, QuantConfig(bits=4)) for rank in range(2)]
     stop = threading.Event()
