@@ -14,13 +14,14 @@ prefer_wide_vectors()  # before numba is first imported: it reads the target's f
 from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-# Non-finite floats are exactly those whose exponent bits are all ones; testing
-# the bits as integers keeps the check exact under the fast-math min/max below.
-_EXPONENT_MASK = np.int32(0x7F800000)
 _FLOAT32_SMALLEST = float(np.finfo(np.float32).smallest_subnormal)
-# |x| >= 2**126 is refused like NaN/Inf (its exponent field is 0xFD or more):
-# the grid's ends, and so decoded values, then stay below float32's maximum.
-_LARGEST_EXPONENT = np.int32(0x7E800000)
+# |x| >= 2**126 is refused like NaN/Inf, so the grid's ends, and so decoded
+# values, stay below float32's maximum. In the sign-folded keys below (one
+# order for every float bit pattern) exactly the keys in [_LOWEST_KEY,
+# _HIGHEST_KEY) are in range: NaNs and infinities of either sign fold past
+# the ends, so a channel's min and max keys decide it without another pass.
+_HIGHEST_KEY = np.int32(0x7E800000)  # the bits of +2**126
+_LOWEST_KEY = np.int32(-0x7E800000)  # the key of the in-range float nearest -2**126
 # Elements per block of the blocked kernels (whole channels, at least one): a
 # block's 32 KB of float32 is still in L1/L2 when its quantizing loop rereads it.
 BLOCK_ELEMENTS = 8192
@@ -102,19 +103,16 @@ def channel_range(x, start, stop):  # type: ignore[no-untyped-def]
 
     Floats are compared as sign-folded int32 keys (same order for finite values):
     integer min/max reductions vectorise where float ones do not, and the
-    exponent test for NaN/Inf rides along for free.
+    range test then reads the two extreme keys (see ``_HIGHEST_KEY``).
     """
     bit_view = x[start:stop].view(np.int32)
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
-    exponent = np.int32(0)
     for i in range(bit_view.size):
-        b = bit_view[i]
-        key = _key_of_bits(b)
+        key = _key_of_bits(bit_view[i])
         lo = min(lo, key)
         hi = max(hi, key)
-        exponent = max(exponent, np.int32(b & _EXPONENT_MASK))
-    return _float_of_key(lo), _float_of_key(hi), exponent < _LARGEST_EXPONENT
+    return _float_of_key(lo), _float_of_key(hi), lo >= _LOWEST_KEY and hi < _HIGHEST_KEY
 
 
 @njit(cache=True, nogil=True)
