@@ -3,7 +3,12 @@
 Run from the repository root:
 
     python bench/qcore_kernels.py            # report only, always exits 0
-    python bench/qcore_kernels.py --check    # exits 1 when a target is missed
+    python bench/qcore_kernels.py --check    # exits 1 when an absolute target is missed
+
+With a C compiler (``$CC``, default ``cc``) it also builds bench/native/round_trip.c,
+the same 8-bit per-channel round trip as plain C loops, and times it alternately
+with gradq's. The round trip's target is printed twice: as DESIGN.md states it,
+and scaled by the reference rows DESIGN.md quotes beside it (copy, numpy, torch).
 
 Every row is GB/s of fp32 input (4 bytes per element / median seconds of one call,
 after one warm-up call), on one thread. This is a benchmark, not a test: torch is
