@@ -48,11 +48,13 @@ def test_a_killed_rank_is_named_to_the_others_within_seconds(address: str) -> No
     for rank, step, ok, detail, _ in survivors:
         assert rank in (0, 1) and step == 3 and not ok
         assert "ABORTED" in detail and "rank 2 was lost" in detail and "without a Leave" in detail, detail
-    # Later rounds of that run fail at once too, rather than each waiting for its deadline.
+    # Later rounds of that run fail at once too, rather than each waiting for its deadline. The lowest
+    # lost rank is named: 2, or 0 or 1 when the ends of the survivors' streams (killed just above) reach
+    # the aggregator first, which may be after this Join (in one CI run it named 0).
     config = QuantConfig(scheme=Scheme.FLOAT32)
     with WorkerClient(address, "killed", 0, 3, config, timeout_s=60) as survivor:
         started = time.monotonic()
-        with pytest.raises(AggregationError, match=r"ABORTED: .*cannot complete: rank 2 was lost"):
+        with pytest.raises(AggregationError, match=r"ABORTED: .*cannot complete: rank [0-2] was lost"):
             survivor.push_pull(4, 0, gradient(0, 4))
         assert time.monotonic() - started < 2.0
 
