@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from gradq.client.sending import AggregationError
+from gradq.proto.transport import MAX_STATE_CHUNK_BYTES
 from gradq.proto.v1 import aggregator_pb2 as pb
 
 __all__ = ["ANY_RANK", "STATE_CHUNK_BYTES", "JobWorld", "ReceivedState", "fetch_state", "send_state", "world_of"]
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 
 # An elastic Join's rank asking the aggregator for the lowest free member id.
 ANY_RANK = 0xFFFFFFFF
-# The aggregator accepts chunks of up to 1 MiB and holds at most 4 of one transfer.
-STATE_CHUNK_BYTES = 1 << 20
+# The largest chunk the aggregator accepts (it holds at most 4 of one transfer).
+STATE_CHUNK_BYTES = MAX_STATE_CHUNK_BYTES
 
 
 @dataclass(frozen=True, slots=True)

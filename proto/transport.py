@@ -19,13 +19,16 @@ import socket
 import ssl
 import sys
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "channel_options", "keep_large_buffers", "speaks_tls"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "MAX_STATE_CHUNK_BYTES", "channel_options", "keep_large_buffers", "speaks_tls"]
 
 log = logging.getLogger(__name__)
 
 # gRPC refuses messages over 4 MiB by default; a 256 MB fp32 bucket returned
 # as fp32 needs ~256 MiB, so 1 GiB leaves room on both ends.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# StateChunk.data's limit (the .proto says it, tests/proto/test_comments.py holds it to this): the
+# aggregator refuses a larger chunk, and a sender cuts the state into chunks of this size.
+MAX_STATE_CHUNK_BYTES = 1 << 20
 
 # glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit.
 _M_TRIM_THRESHOLD = -1

@@ -308,7 +308,10 @@ class AggregatorServer:
 
     def _stop_once(self) -> None:
         log.info(
-            "stopping: NOT_SERVING, %d round(s) in flight, grace %.1f s", self.table.in_flight(), self.options.grace_s
+            "stopping: NOT_SERVING, %d job(s) joined, %d round(s) in flight, grace %.1f s",
+            len(self.table.active_jobs()),
+            self.table.in_flight(),
+            self.options.grace_s,
         )
         self._on_loop(self.health.enter_graceful_shutdown())
         # Keep accepting pushes for rounds already started so they can complete;

@@ -1,8 +1,9 @@
-"""Membership: which jobs exist, which run (incarnation) of each, which ranks have joined, and when they expire.
+"""The job table: which jobs exist, which run (incarnation) of each, and when they expire.
 
 A job is one run of a job id: a Join with another incarnation retires the
 current run and starts a fresh one (new members, new step window, new rounds),
-so nothing of one run is mixed into the next. Retired runs hand their rounds
+so nothing of one run is mixed into the next. Who the members of a run are,
+and what its rounds wait for, is gradq.server.membership's. Retired runs hand their rounds
 back to the caller, which fails those still waiting (the round logic owns that).
 """
 
@@ -22,9 +23,10 @@ from gradq.server.errors import (
     UnavailableError,
 )
 from gradq.server.limits import ServiceLimits
+from gradq.server.membership import ANY_RANK, Membership
 from gradq.server.round_state import Round
 
-__all__ = ["ANY_RANK", "Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
+__all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,6 @@ MAX_JOB_ID_LENGTH = 256
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
-# An elastic Join's rank asking the aggregator for the lowest free member id (uint32's largest).
-ANY_RANK = 0xFFFFFFFF
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -43,19 +43,14 @@ def describe_incarnation(incarnation: str) -> str:
 
 @dataclass(eq=False, slots=True)
 class Job:
-    """One run of a job id: its members, its rounds and its step window."""
+    """One run of a job id: its members (see gradq.server.membership), its rounds and its step window."""
 
     job_id: str
-    world_size: int
     incarnation: str
     last_active: float
     memory: MemoryAccount  # its share of the memory budget
+    members: Membership  # who trains, waits, left or was lost, and what a round waits for
     creator: str = ""  # the client host whose Join started it (counted against --max-jobs-per-peer)
-    joined: set[int] = field(default_factory=set)
-    # Member -> how many ranks it stands for (a host's ranks under two-level aggregation; 1 by default).
-    ranks: dict[int, int] = field(default_factory=dict)
-    # Member -> why it is considered lost (its Watch stream ended without a Leave); a Join clears it.
-    lost: dict[int, str] = field(default_factory=dict)
     watches: int = 0  # Watch streams open on this run
     # (step, bucket) -> round, in flight or finished-and-retained for retries.
     rounds: dict[tuple[int, int], Round] = field(default_factory=dict)
@@ -73,22 +68,16 @@ class Job:
     feedback_lock: threading.Lock = field(default_factory=threading.Lock)  # a leaf: one mean at a time uses them
     superseded: tuple[str, ...] = ()
     retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
-    # Elastic (see gradq.server.elastic): members come and go. Once ``world_size`` members have
-    # joined the job is formed: a round then waits for the members training, and a newcomer is
-    # pending (member -> ranks) until a live member has sent it the state.
-    elastic: bool = False
-    formed: bool = False
-    pending: dict[int, int] = field(default_factory=dict)
 
-    def complete(self, contributors: set[int]) -> bool:
-        """Whether a round with these contributors has every contribution it waits for. Caller holds the lock.
+    @property
+    def world_size(self) -> int:
+        """The members the job starts with."""
+        return self.members.world_size
 
-        A fixed job (or an elastic one still forming) waits for ``world_size``
-        members; a formed elastic job for the members training now.
-        """
-        if self.elastic and self.formed:
-            return bool(self.joined) and self.joined <= contributors
-        return len(contributors) == self.world_size
+    @property
+    def joined(self) -> set[int]:
+        """The members training now (read it under the job table's lock)."""
+        return self.members.joined
 
     def describe(self) -> str:
         """``job 'x' (incarnation='y')`` for messages."""
@@ -129,6 +118,7 @@ class JobTable:
         peer: str = "",
         ranks: int = 1,
         elastic: bool = False,
+        job_ranks: int = 0,
     ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
@@ -136,16 +126,19 @@ class JobTable:
         against that host's --max-jobs-per-peer until the job is forgotten.
         ``ranks`` is how many of the job's ranks the member stands for (a
         host's, under two-level aggregation); every Join of a member must agree.
-        ``elastic`` joins an elastic job: ``rank`` may be ANY_RANK, a Join into
-        a live run adopts its incarnation, and a newcomer to a formed job is
-        pending until it has received the state (see gradq.server.elastic).
+        ``job_ranks`` is the job's ranks in all (0: ``world_size``, one per
+        member); it is what --world-size is checked against. ``elastic`` joins
+        an elastic job: ``rank`` may be ANY_RANK, a Join into a live run adopts
+        its incarnation, and a newcomer to a formed job is pending until it has
+        received the state (see gradq.server.membership).
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
 
         Raises:
-            InvalidArgumentError: bad job id, world size, rank or ranks.
-            FailedPreconditionError: world size or a member's ranks disagree, or the incarnation was superseded.
+            InvalidArgumentError: bad job id, world size, job ranks, rank or ranks.
+            FailedPreconditionError: --world-size, world size, job ranks or a member's ranks
+                disagree, or the incarnation was superseded.
             ResourceExhaustedError: --max-jobs jobs exist already, or ``peer`` has
                 started --max-jobs-per-peer of them.
             UnavailableError: the aggregator is shutting down.
@@ -154,7 +147,7 @@ class JobTable:
         if rank == ANY_RANK and not elastic:
             raise InvalidArgumentError(f"rank={ANY_RANK} (any) is only valid in an elastic Join; expected a rank")
         # An elastic job's member ids outgrow its starting world_size as hosts are replaced.
-        self._check_world(world_size, 0 if elastic else rank)
+        self._check_world(world_size, job_ranks, 0 if elastic else rank)
         if elastic and rank != ANY_RANK and rank >= self.limits.max_world_size:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{self.limits.max_world_size - 1} (--max-world-size) "
@@ -170,12 +163,12 @@ class JobTable:
             if self.closing:
                 raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
             job = self._jobs.get(job_id)
-            if job is not None and job.elastic != elastic:
+            if job is not None and job.members.elastic != elastic:
                 raise FailedPreconditionError(
                     f"elastic={elastic} does not match {job.describe()}, which is "
-                    f"{'elastic' if job.elastic else 'not elastic'}; every host of a job must agree"
+                    f"{'elastic' if job.members.elastic else 'not elastic'}; every host of a job must agree"
                 )
-            if job is not None and elastic and (job.joined or job.pending):
+            if job is not None and elastic and not job.members.empty:
                 incarnation = job.incarnation  # a live elastic run is joined, never superseded by a newcomer
             if job is not None and job.incarnation != incarnation:
                 if incarnation in job.superseded:
@@ -187,9 +180,8 @@ class JobTable:
                 retired.append(self._forget(job, reason))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
                 # A restart keeps the job's slot with the host that started it: no host's count moves.
-                creator = job.creator
-                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, superseded, creator)
-                job.elastic = elastic
+                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic)
+                job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, superseded, job.creator)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(
@@ -203,39 +195,17 @@ class JobTable:
                         f"(--max-jobs-per-peer={self.limits.max_jobs_per_peer}); idle jobs expire after "
                         f"--job-idle-timeout"
                     )
-                job = self._jobs[job_id] = self._new_job(job_id, world_size, incarnation, now, (), peer)
-                job.elastic = elastic
-            elif job.world_size != world_size:
-                raise FailedPreconditionError(
-                    f"world_size={world_size} does not match {job.describe()}, which has world_size={job.world_size}"
-                )
-            held = set(job.ranks.values())
-            if job.elastic and held and held != {ranks}:
-                raise FailedPreconditionError(
-                    f"ranks={ranks} does not match elastic {job.describe()}, whose hosts hold {held.pop()} ranks "
-                    f"each; every host of an elastic job holds as many (its buckets are cut into that many pieces)"
-                )
-            if rank == ANY_RANK:
-                rank = _lowest_free(job, self.limits.max_world_size)
-            if job.ranks.get(rank, ranks) != ranks:
-                raise FailedPreconditionError(
-                    f"ranks={ranks} does not match {job.describe()}, where member {rank} stands for "
-                    f"{job.ranks[rank]} ranks; every rank of a host must join with the host's rank count"
-                )
-            rejoined = rank in job.joined or rank in job.pending
-            if job.elastic and job.formed and rank not in job.joined:
-                job.pending[rank] = ranks  # trains only once it has the state (gradq.server.elastic)
-            else:
-                job.joined.add(rank)
-                job.formed = job.formed or (job.elastic and len(job.joined) >= job.world_size)
-            job.ranks[rank] = ranks
-            job.lost.pop(rank, None)  # back: its process (or connection) lives again
+                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic)
+                job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
+            job.members.check_join(world_size, job_ranks, ranks, job.describe)
+            rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
             job.last_active = now
-            joined = len(job.joined)
+            joined = len(job.members.joined)
+            pending = job.members.is_pending(rank)
         log.info(
             "%s %s %d of %d to %s (%d joined)",
             "rejoin" if rejoined else "join",
-            "pending member" if rank in job.pending else "rank",
+            "pending member" if pending else "rank",
             rank,
             world_size,
             job.describe(),
@@ -260,33 +230,19 @@ class JobTable:
                 f"{describe_incarnation(incarnation)} does not match the current run of job {job_id!r}, "
                 f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)"
             )
-        if rank in job.pending and not pending_ok:
+        members = job.members
+        if members.is_pending(rank) and not pending_ok:
             raise FailedPreconditionError(
                 f"member {rank} of elastic {job.describe()} is pending: it trains from the step at which a "
                 f"live member sends it the state (FetchState), not before"
             )
-        if rank not in job.joined and rank not in job.pending:
+        if not members.holds(rank, pending_ok=True):
             raise FailedPreconditionError(
-                f"rank={rank} has not joined {job.describe()} ({len(job.joined)} of {job.world_size} ranks "
+                f"rank={rank} has not joined {job.describe()} ({len(members.joined)} of {job.world_size} ranks "
                 f"joined); call Join first"
             )
         job.last_active = now
         return job
-
-    def admit(self, job: Job, joiner: int, sender: int) -> None:
-        """Move an elastic job's pending ``joiner`` into the members training. Caller holds ``lock``.
-
-        Raises:
-            FailedPreconditionError: ``sender`` is not a member training, or ``joiner`` is not pending.
-        """
-        if sender not in job.joined:
-            raise FailedPreconditionError(
-                f"member {sender} is not training in elastic {job.describe()}; only a live member sends the state"
-            )
-        if joiner not in job.pending:
-            raise FailedPreconditionError(f"member {joiner} of elastic {job.describe()} is not pending")
-        job.joined.add(joiner)
-        job.ranks[joiner] = job.pending.pop(joiner)
 
     def leave(self, job_id: str, rank: int, incarnation: str, now: float) -> tuple[Job | None, list[Retired]]:
         """Deregister ``rank``; the run is forgotten (retired) when its last rank leaves.
@@ -303,13 +259,10 @@ class JobTable:
                 return None, []
             if job.incarnation != incarnation:
                 self.member(job_id, rank, incarnation, now)  # raises, naming both incarnations
-            if rank not in job.joined and rank not in job.pending:
+            if not job.members.remove(rank):
                 return None, []
-            job.joined.discard(rank)
-            job.pending.pop(rank, None)
             job.last_active = now
-            gone = not job.joined and not job.pending
-            retired = [self._forget(job, f"every rank left {job.describe()}")] if gone else []
+            retired = [self._forget(job, f"every rank left {job.describe()}")] if job.members.empty else []
         log.info("leave rank %d from %s", rank, job.describe())
         return job, retired
 
@@ -328,13 +281,13 @@ class JobTable:
         return list(self._jobs.values())
 
     def _new_job(
-        self, job_id: str, world_size: int, incarnation: str, now: float, superseded: tuple[str, ...], peer: str
+        self, job_id: str, members: Membership, incarnation: str, now: float, superseded: tuple[str, ...], peer: str
     ) -> Job:
         account = MemoryAccount(
             f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
         )
         self._started_by[peer] += 1
-        return Job(job_id, world_size, incarnation, now, account, creator=peer, superseded=superseded)
+        return Job(job_id, incarnation, now, account, members, creator=peer, superseded=superseded)
 
     def _forget(self, job: Job, reason: str) -> Retired:
         job.retired = True
@@ -344,33 +297,27 @@ class JobTable:
             del self._started_by[job.creator]
         return Retired(job, reason)
 
-    def _check_world(self, world_size: int, rank: int) -> None:
-        if world_size < 1 or world_size > self.limits.max_world_size:
+    def _check_world(self, world_size: int, job_ranks: int, rank: int) -> None:
+        limit = self.limits.max_world_size
+        if world_size < 1 or world_size > limit:
+            raise InvalidArgumentError(f"world_size={world_size} is invalid; expected 1..{limit} (--max-world-size)")
+        if job_ranks and not world_size <= job_ranks <= limit:
             raise InvalidArgumentError(
-                f"world_size={world_size} is invalid; expected 1..{self.limits.max_world_size} (--max-world-size)"
+                f"job_ranks={job_ranks} is invalid; expected {world_size}..{limit}: at least one rank per member "
+                f"(world_size={world_size}), at most --max-world-size"
             )
-        if self.fixed_world_size and world_size != self.fixed_world_size:
+        total = job_ranks or world_size
+        if self.fixed_world_size and total != self.fixed_world_size:
+            hosts = f", {world_size} members standing for them" if total != world_size else ""
             raise FailedPreconditionError(
-                f"world_size={world_size} does not match this aggregator's --world-size={self.fixed_world_size}"
+                f"configuration mismatch: this job has {total} ranks (world_size from the launcher{hosts}) but "
+                f"gradq serve --world-size={self.fixed_world_size}; start the aggregator with --world-size="
+                f"{total} (or 0: each job's first Join decides), or launch {self.fixed_world_size} ranks"
             )
         if rank >= world_size:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
-
-
-def _lowest_free(job: Job, limit: int) -> int:
-    """The lowest member id of an elastic job that no member (training or pending) holds.
-
-    Raises:
-        ResourceExhaustedError: ``limit`` (--max-world-size) members hold ids already.
-    """
-    taken = job.joined | job.pending.keys()
-    if len(taken) >= limit:
-        raise ResourceExhaustedError(
-            f"{job.describe()} has {len(taken)} members, the most this aggregator allows (--max-world-size)"
-        )
-    return next(candidate for candidate in range(len(taken) + 1) if candidate not in taken)
 
 
 def _check_job_id(job_id: str) -> None:

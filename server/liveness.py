@@ -94,13 +94,8 @@ class Liveness:
             with self._lock:
                 self._open -= 1
             job.watches -= 1
-            if jobs.closing or job.retired or (rank not in job.joined and rank not in job.pending):
+            if jobs.closing or job.retired or not job.members.lose(rank, LOST_REASON):
                 return
-            if job.elastic:  # the others go on without it (gradq.server.elastic)
-                job.joined.discard(rank)
-                job.pending.pop(rank, None)
-            else:
-                job.lost[rank] = LOST_REASON
-            left = len(job.joined)
+            left = len(job.members.joined)
         log.warning("rank %d of %s is lost (%d members left): %s", rank, job.describe(), left, LOST_REASON)
         self._table.member_gone(job, rank, f"rank {rank} was lost ({LOST_REASON})", "rank_lost")

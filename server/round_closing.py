@@ -100,9 +100,10 @@ class RoundCloser:
 
     def close_early(self, job: Job, rnd: Round, reason: str, code: str) -> None:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
-        missing = tuple(sorted(set(range(job.world_size)) - rnd.contributors))
-        quorum = self.policy.partial_quorum
-        if quorum and len(rnd.contributors) >= quorum:
+        with self._jobs.lock:  # an elastic job's members change under it
+            missing = job.members.missing(rnd.contributors)
+            quorum_met = job.members.quorum_met(rnd.contributors, self.policy.partial_quorum)
+        if quorum_met:
             log.warning(
                 "%s closed partial (%s): averaged ranks %s, missing ranks %s",
                 rnd.describe(job.job_id),
@@ -114,7 +115,7 @@ class RoundCloser:
             return
         error = RoundAbortedError(
             f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing "
-            f"(have {sorted(rnd.contributors)} of world_size={job.world_size})"
+            f"(have {sorted(rnd.contributors)} of the members {sorted({*rnd.contributors, *missing})} it waited for)"
         )
         self.fail(job, rnd, error, code)
 

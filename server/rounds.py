@@ -11,7 +11,6 @@ budget's lock is a leaf.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ class JoinAnswer:
 
 @dataclass(frozen=True, slots=True)
 class RoundTicket:
-    """A contribution accepted by ``push``; hand it to ``wait`` for the answer."""
+    """A contribution admitted into its round (``admit``), for ``add``, ``watch`` and ``answer``."""
 
     job: Job
     round: Round
@@ -101,21 +100,6 @@ class RoundTable:
     # -- membership -------------------------------------------------------------------------
 
     def join(
-        self, job_id: str, rank: int, world_size: int, incarnation: str = "", peer: str = "", ranks: int = 1
-    ) -> tuple[int, int]:
-        """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
-
-        Returns:
-            (the job's world size, how many ranks have joined so far).
-
-        Raises:
-            InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
-            UnavailableError: see ``JobTable.join``.
-        """
-        answer = self.join_member(job_id, rank, world_size, incarnation, peer, ranks)
-        return answer.world_size, answer.joined
-
-    def join_member(
         self,
         job_id: str,
         rank: int,
@@ -124,19 +108,30 @@ class RoundTable:
         peer: str = "",
         ranks: int = 1,
         elastic: bool = False,
+        job_ranks: int = 0,
     ) -> JoinAnswer:
-        """``join``, also for elastic members (``rank`` may be ANY_RANK); says which member and run were joined.
+        """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
+
+        Also for elastic members (``rank`` may be ANY_RANK). ``job_ranks`` is
+        the job's ranks in all (0: ``world_size``): --world-size counts those.
+
+        Returns:
+            The job's world size, the members joined, which member and run were joined.
 
         Raises:
-            See ``join``.
+            InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
+            UnavailableError: see ``JobTable.join``.
         """
         job, retired, member = self.jobs.join(
-            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic
+            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic, job_ranks
         )
         self._retire(retired)
         with self.jobs.lock:
-            answer = JoinAnswer(job.world_size, len(job.joined), member, job.incarnation, member in job.pending)
-        if job.elastic:
+            members = job.members
+            answer = JoinAnswer(
+                job.world_size, len(members.joined), member, job.incarnation, members.is_pending(member)
+            )
+        if members.elastic:
             self.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
 
@@ -160,7 +155,9 @@ class RoundTable:
 
     def member_gone(self, job: Job, rank: int, reason: str, code: str) -> None:
         """A member left or was lost: a formed elastic job goes on without it, any other closes what waits on it."""
-        if job.elastic and job.formed:
+        with self.jobs.lock:
+            goes_on = job.members.goes_on_without_the_gone
+        if goes_on:
             self.membership_changed(job, code)
             self.finish_rounds_complete(job, reason)
         else:
@@ -175,7 +172,7 @@ class RoundTable:
                 if rnd.done.is_set():
                     continue
                 with self.jobs.lock:
-                    complete, anyone = job.complete(rnd.contributors), bool(job.joined)
+                    complete, anyone = job.members.complete(rnd.contributors), bool(job.members.joined)
                 if complete:
                     self._closer.finish(job, rnd)
                 elif not anyone:
@@ -219,61 +216,22 @@ class RoundTable:
 
     # -- the round --------------------------------------------------------------------------
 
-    def contribute(
-        self,
-        job_id: str,
-        step: int,
-        bucket: int,
-        rank: int,
-        tensor: QuantizedArray,
-        non_finite: bool = False,
-        incarnation: str = "",
-    ) -> RoundResult:
-        """``wait(push(...))``: add ``rank``'s bucket to the round and wait for the mean."""
-        return self.wait(self.push(job_id, step, bucket, rank, tensor, non_finite, incarnation))
-
-    def push(
-        self,
-        job_id: str,
-        step: int,
-        bucket: int,
-        rank: int,
-        tensor: QuantizedArray,
-        non_finite: bool = False,
-        incarnation: str = "",
-    ) -> RoundTicket:
-        """Add ``rank``'s bucket to round (job, step, bucket); returns at once.
-
-        The tensor is dequantized into the round's accumulator before this
-        returns, so the caller can drop it (and its message) before waiting.
-        A resend of an accepted contribution is not counted again; one whose
-        content differs is refused. ``non_finite`` says the rank's bucket held
-        NaN/Inf (``tensor`` then only carries its size): under the reject policy
-        the round fails for every rank, under the skip policy it completes with
-        a zero mean marked skipped.
-
-        Raises:
-            InvalidArgumentError: numel disagrees with the round's.
-            FailedPreconditionError: unknown job, rank or incarnation; a step
-                outside the window; another grid than the bucket's; a resend that differs.
-            ResourceExhaustedError: the memory budget or the job's open rounds are used up.
-            UnavailableError: the aggregator is shutting down and the round is new.
-        """
-        ticket = self.admit(job_id, step, bucket, rank, tensor, incarnation)
-        self.add(ticket, tensor, non_finite)
-        return ticket
-
     def admit(
         self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
     ) -> RoundTicket:
-        """``push``'s first half: every check that can refuse, and the round found or opened. Never decodes.
+        """A push's first half: every check that can refuse, and the round found or opened. Never decodes.
 
         Cheap (no pass over the payload, only the job table's lock), so the
         server runs it on its event loop: a flood of pushes that are refused
         never queues ahead of other jobs' decoding.
 
         Raises:
-            See ``push``.
+            InvalidArgumentError: numel too large, or disagreeing with the round's.
+            FailedPreconditionError: unknown job, rank or incarnation; a step
+                outside the window; another grid than the bucket's.
+            ResourceExhaustedError: the memory budget or the job's open rounds are used up.
+            UnavailableError: the aggregator is shutting down and the round is new.
+            RoundAbortedError: a fixed job's member is lost (no partial quorum).
         """
         if tensor.numel > self.policy.max_bucket_elements:
             raise InvalidArgumentError(
@@ -289,11 +247,11 @@ class RoundTable:
                 self.budget.adjust(rnd.charged, 0, job.memory)  # a done round's charge is final
                 rnd.charged = 0
                 rnd = None
-            if job.lost and not self.policy.partial_quorum and (rnd is None or not rnd.done.is_set()):
-                lost = min(job.lost)
+            loss = job.members.blocking_loss()
+            if loss and not self.policy.partial_quorum and (rnd is None or not rnd.done.is_set()):
                 raise RoundAbortedError(
-                    f"round (job={job_id!r}, step={step}, bucket={bucket}) cannot complete: rank {lost} was lost "
-                    f"({job.lost[lost]}); restart the job (a new incarnation) or rejoin that rank"
+                    f"round (job={job_id!r}, step={step}, bucket={bucket}) cannot complete: rank {loss[0]} was lost "
+                    f"({loss[1]}); restart the job (a new incarnation) or rejoin that rank"
                 )
             if rnd is None:
                 rnd = self._open_round(job, step, bucket, tensor)
@@ -305,7 +263,13 @@ class RoundTable:
         return RoundTicket(job, rnd, rank)
 
     def add(self, ticket: RoundTicket, tensor: QuantizedArray, non_finite: bool = False) -> None:
-        """``push``'s second half: dequantize the admitted contribution into its round, finishing it if last.
+        """A push's second half: dequantize the admitted contribution into its round, finishing it if last.
+
+        A resend of an accepted contribution is not counted again; one whose
+        content differs is refused. ``non_finite`` says the rank's bucket held
+        NaN/Inf (``tensor`` then only carries its size): under the reject policy
+        the round fails for every rank, under the skip policy it completes with
+        a zero mean marked skipped.
 
         Raises:
             FailedPreconditionError: a resend whose content differs from what was counted.
@@ -319,7 +283,7 @@ class RoundTable:
                     f"a resend must carry the same content (retry with the original payload)"
                 )
             if not rnd.done.is_set() and rank not in rnd.contributors:
-                ranks = job.ranks.get(rank, 1)
+                ranks = job.members.ranks.get(rank, 1)
                 if not non_finite:
                     last = self._completes(job, rnd.contributors | {rank})
                     rnd.accumulate(tensor, last=last, ranks=rnd.ranks + ranks)
@@ -340,10 +304,11 @@ class RoundTable:
 
     def _completes(self, job: Job, contributors: set[int]) -> bool:
         """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
-        if not job.elastic:
-            return len(contributors) == job.world_size  # fixed for the run: no lock needed
-        with self.jobs.lock:  # an elastic job's members change under it
-            return job.complete(contributors)
+        members = job.members
+        if not members.elastic:
+            return members.complete(contributors)  # a fixed job's members never change in a run: no lock
+        with self.jobs.lock:  # an elastic job's do
+            return members.complete(contributors)
 
     def _superseded_failure(self, job: Job, rnd: Round) -> bool:
         """A round that failed for lack of ranks which a new push of its (step, bucket) starts afresh.
@@ -422,7 +387,7 @@ class RoundTable:
         """The ticket's answer once its wait is over: the result, or the round closed if its deadline passed.
 
         Args:
-            ticket: from ``push``.
+            ticket: from ``admit``.
             gave_up: the caller stopped waiting before the round finished (its
                 client cancelled or its deadline passed). The contribution stays
                 counted, so a retry is answered from the round.
@@ -439,30 +404,6 @@ class RoundTable:
                 raise CancelledError(f"{rnd.describe(ticket.job.job_id)}: the client stopped waiting")
             self.close_if_due(ticket.job, rnd)
         return _answer(ticket.job.job_id, rnd, ticket.rank)
-
-    def wait(self, ticket: RoundTicket, patience: float | None = None) -> RoundResult:
-        """Block this thread until the ticket's round finishes (at most until its deadline) and answer.
-
-        The aggregator's own calls wait on the event loop instead (``watch``);
-        this is for tests and in-process callers.
-
-        Args:
-            ticket: from ``push``.
-            patience: most seconds to wait; past it, CancelledError.
-
-        Raises:
-            See ``answer``.
-        """
-        wake = threading.Event()
-        timeout = self.watch(ticket, wake)
-        gave_up = False
-        if timeout is not None:
-            try:
-                gave_up = patience is not None and patience < timeout
-                wake.wait(patience if gave_up else timeout)
-            finally:
-                self.unwatch(ticket, wake)
-        return self.answer(ticket, gave_up)
 
     def close_if_due(self, job: Job, rnd: Round) -> None:
         """Close a round whose deadline has passed (by a waiter or the sweeper)."""
@@ -504,9 +445,9 @@ class RoundTable:
             return sum(len(job.open) for job in self.jobs.all())
 
     def active_jobs(self) -> dict[str, list[int]]:
-        """Job id -> joined ranks, for logs and tests."""
+        """Job id -> the members training, for the stop log and for callers outside the server."""
         with self.jobs.lock:
-            return {job.job_id: sorted(job.joined) for job in self.jobs.all()}
+            return {job.job_id: sorted(job.members.joined) for job in self.jobs.all()}
 
 
 def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:

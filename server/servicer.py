@@ -25,8 +25,9 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.server import serde
 from gradq.server.auth import check_scope, scoped_rank
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
-from gradq.server.jobs import ANY_RANK, Job
+from gradq.server.jobs import Job
 from gradq.server.liveness import Liveness
+from gradq.server.membership import ANY_RANK
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.state_relay import StateHeader, StateRelays
 from gradq.server.waiting import WaitingCalls, peer_host
@@ -134,7 +135,7 @@ class AggregatorServicer:
         peer = peer_host(context.peer())
         answer = await _in_pool(
             context,
-            self.table.join_member,
+            self.table.join,
             request.job_id,
             rank,
             request.world_size,
@@ -142,6 +143,7 @@ class AggregatorServicer:
             peer,
             request.ranks or 1,
             request.elastic,
+            request.job_ranks,
         )
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up
@@ -237,18 +239,17 @@ class AggregatorServicer:
     def _watch_event(self, job: Job) -> bytes:
         """What a Watch sends now: how many joined, and for an elastic job who trains and who waits."""
         with self.table.jobs.lock:
-            members = sorted(job.joined)
-            ranks = sum(job.ranks.get(member, 1) for member in members)
-        if not job.elastic:
+            members = sorted(job.members.joined)
+            ranks, donor, elastic = job.members.ranks_training(), job.members.donor(), job.members.elastic
+        if not elastic:
             return serde.watch_event_to_bytes(len(members))
-        donor = min(members, default=0)  # the lowest member training sends joiners the state
         return serde.watch_event_to_bytes(len(members), members, ranks, self.relays.waiting(job), donor)
 
     def membership_changed(self, job: Job, event: str) -> None:
         """An elastic job's members changed (from any thread): count it, and wake its Watch streams to send it."""
         if self._observe_membership is not None:
             with self.table.jobs.lock:
-                members = len(job.joined)
+                members = len(job.members.joined)
             self._observe_membership(job.job_id, event, members)
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped

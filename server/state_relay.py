@@ -1,6 +1,6 @@
 """Elastic catch-up: the training state a live member sends a joiner, relayed through the aggregator chunk by chunk.
 
-A newcomer to an elastic job in training is pending (``Job.pending``). It waits
+A newcomer to an elastic job in training is pending (see gradq.server.membership). It waits
 in FetchState; the Watch streams then name it and a donor (the lowest member
 training). At its next step boundary the donor sends the state with PutState,
 whose first chunk admits the joiner into the members from that step on: the
@@ -21,6 +21,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from gradq.proto.transport import MAX_STATE_CHUNK_BYTES
 from gradq.server.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from gradq.server.jobs import Job
 from gradq.server.rounds import RoundTable
@@ -29,7 +30,6 @@ __all__ = ["MAX_STATE_CHUNK_BYTES", "RELAY_QUEUE_CHUNKS", "Relay", "StateHeader"
 
 log = logging.getLogger(__name__)
 
-MAX_STATE_CHUNK_BYTES = 1 << 20
 RELAY_QUEUE_CHUNKS = 4
 # What one waiting joiner may hold: the queue full plus the chunk being handed over.
 RELAY_BYTES = (RELAY_QUEUE_CHUNKS + 1) * MAX_STATE_CHUNK_BYTES
@@ -135,7 +135,7 @@ class StateRelays:
     def fail_unserved(self, job: Job) -> None:
         """No member of ``job`` trains any more: fail the joiners still waiting (none can send them the state)."""
         with self._table.jobs.lock:
-            nobody = job.formed and not job.joined
+            nobody = job.members.formed and not job.members.joined
         if nobody:
             error = FailedPreconditionError(f"every training member of {job.describe()} is gone; restart the job")
             for (owner, _), relay in list(self._relays.items()):
@@ -157,11 +157,11 @@ class StateRelays:
         jobs = self._table.jobs
         with jobs.lock:
             job = jobs.member(job_id, rank, incarnation, self._table.now(), pending_ok=True)
-            if rank not in job.pending:
+            if not job.members.is_pending(rank):
                 raise FailedPreconditionError(
                     f"member {rank} of {job.describe()} trains already; only a pending elastic member fetches the state"
                 )
-            if not job.joined:
+            if not job.members.joined:
                 raise FailedPreconditionError(
                     f"no member of {job.describe()} is training, so none holds the state; restart the job"
                 )
@@ -197,9 +197,9 @@ class StateRelays:
                 raise FailedPreconditionError(
                     f"member {relay.header.sender} is sending member {joiner} of {job.describe()} the state already"
                 )
-            jobs.admit(job, joiner, rank)
+            job.members.admit(joiner, rank, job.describe)
             relay.header = header
-            members = len(job.joined)
+            members = len(job.members.joined)
         log.info(
             "member %d admitted to %s at step %d (%d members): %d bytes of state from member %d",
             joiner,

@@ -44,6 +44,7 @@ class JobRow:
     incarnation: str
     world_size: int
     joined: tuple[int, ...]  # members present (joined, neither left nor lost)
+    pending: tuple[int, ...]  # elastic newcomers waiting for the training state
     left: tuple[int, ...]  # members that joined this run and left
     lost: tuple[int, ...]  # members whose Watch stream ended without a Leave
     step: int  # newest step with a round open or completed (-1: none yet)
@@ -142,16 +143,17 @@ def take_snapshot(
 
 def _job_row(job: Job, now: float) -> JobRow:
     """The table's part of a row. Caller holds the job table's lock."""
-    lost = set(job.lost)
+    members = job.members.states()
     # A round's step is fixed when it opens, so it is read without the round's lock.
     step = max((rnd.step for rnd in job.open), default=job.newest_completed_step)
     return JobRow(
         job_id=job.job_id[:_MAX_TEXT],
         incarnation=job.incarnation[:_MAX_TEXT],
         world_size=job.world_size,
-        joined=tuple(sorted(job.joined - lost)),
-        left=tuple(sorted(set(job.ranks) - job.joined)),
-        lost=tuple(sorted(lost)),
+        joined=members.training,
+        pending=members.pending,
+        left=members.left,
+        lost=members.lost,
         step=max(step, job.newest_completed_step),
         open_rounds=len(job.open),
         memory_in_use=job.memory.in_use,

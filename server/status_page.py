@@ -84,7 +84,8 @@ def _jobs_table(jobs: tuple[JobRow, ...]) -> str:
         return '<p class="muted" id="no-jobs">No live jobs.</p>'
     head = (
         '<tr><th class="text">job</th><th class="text">incarnation</th><th>world</th><th class="text">joined</th>'
-        '<th class="text">left</th><th class="text">lost</th><th>step</th><th>open rounds</th><th>completed</th>'
+        '<th class="text">pending</th><th class="text">left</th><th class="text">lost</th><th>step</th>'
+        "<th>open rounds</th><th>completed</th>"
         "<th>partial</th><th>skipped</th><th>failed</th><th>bytes in</th><th>bytes out</th><th>ratio</th>"
         "<th>memory</th><th>idle</th></tr>"
     )
@@ -100,6 +101,7 @@ def _job_row(job: JobRow) -> str:
         f'<td class="text">{_e(job.incarnation) or "<span class=muted>none</span>"}</td>',
         f"<td>{job.world_size}</td>",
         f'<td class="text">{_ranks(job.joined)} ({len(job.joined)} of {job.world_size})</td>',
+        f'<td class="text">{_ranks(job.pending)}</td>',
         f'<td class="text">{_ranks(job.left)}</td>',
         f'<td class="text{" lost" if job.lost else ""}">{_ranks(job.lost)}</td>',
         f"<td>{job.step if job.step >= 0 else '-'}</td>",

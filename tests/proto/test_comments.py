@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 
 from gradq.client.chunks import CHUNK_KEY_STRIDE, chunk_key, shard_for
+from gradq.client.elastic import STATE_CHUNK_BYTES
 from gradq.proto.convert import tensor_to_proto
+from gradq.proto.transport import MAX_STATE_CHUNK_BYTES
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantConfig, Scheme, codec_for, encode
 from gradq.qcore.codecs import registered_schemes
+from gradq.server.errors import FailedPreconditionError
 from gradq.server.policy import RoundPolicy
-from gradq.server.rounds import RoundTable
+from gradq.server.rounds import RoundTable, RoundTicket
 
 PROTO = (Path(__file__).resolve().parents[2] / "proto" / "v1" / "aggregator.proto").read_text()
 
@@ -166,14 +169,37 @@ def test_partial_is_set_at_the_deadline_and_when_a_missing_rank_leaves_as_the_pr
         table.join("job", rank, 3)
     exact = QuantConfig(scheme=Scheme.FLOAT32)
     values = encode(np.ones(4, np.float32), exact)
+
+    def push(step: int, rank: int) -> RoundTicket:
+        ticket = table.admit("job", step, 0, rank, values)
+        table.add(ticket, values)
+        return ticket
+
     # At the deadline: two of three ranks, the third never comes.
-    tickets = [table.push("job", 0, 0, rank, values) for rank in (0, 1)]
+    tickets = [push(0, rank) for rank in (0, 1)]
     clock[0] = 1.0
     at_deadline = table.answer(tickets[0])
     assert at_deadline.partial and at_deadline.missing == (2,)
     # When the missing rank leaves, before the deadline.
-    tickets = [table.push("job", 1, 0, rank, values) for rank in (0, 1)]
+    tickets = [push(1, rank) for rank in (0, 1)]
     table.leave("job", 2)
     assert tickets[0].round.done.is_set()  # closed at once, not at its deadline
     on_leave = table.answer(tickets[0])
     assert on_leave.partial and on_leave.missing == (2,)
+
+
+def test_the_state_chunks_limit_in_the_proto_is_the_one_both_sides_hold_to() -> None:
+    comment = comment_of("bytes data = 7;")
+    limit = re.search(r"at most (\d+) MiB", comment)
+    assert limit, comment
+    assert int(limit[1]) << 20 == MAX_STATE_CHUNK_BYTES
+    assert STATE_CHUNK_BYTES <= MAX_STATE_CHUNK_BYTES  # what a sender cuts the state into is accepted
+
+
+def test_job_ranks_zero_means_world_size_as_the_proto_says() -> None:
+    comment = comment_of("uint32 job_ranks = 7;")
+    assert "0 means world_size" in comment and "--world-size" in comment
+    table = RoundTable(RoundPolicy())
+    table.join("job", 0, 3)  # job_ranks unset (0): three members of one rank each
+    with pytest.raises(FailedPreconditionError, match="job_ranks"):
+        table.join("job", 1, 3, job_ranks=6)

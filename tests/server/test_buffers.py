@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.buffers import MAPPED_MIN_BYTES, AccumulatorPool, mapped_float32
@@ -81,7 +82,7 @@ def test_rounds_plus_free_accumulators_stay_within_the_memory_budget() -> None:
     config = QuantConfig(scheme=Scheme.FLOAT32)
     for job, size in (("small", numel), ("large", 2 * numel)):
         table.join(job, 0, 1)
-        table.wait(table.push(job, 0, 0, 0, encode(np.ones(size, np.float32), config)))
+        wait(table, push(table, job, 0, 0, 0, encode(np.ones(size, np.float32), config)))
         # Finished: its accumulator waits in the pool, and with the retained means it fits the budget.
         assert table.budget.in_use + table.accumulators.free_bytes <= table.budget.limit
     # 3 MiB of fp32 means retained: of the 3 MiB of free accumulators the older, small one made room.

@@ -14,6 +14,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import round_calls
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundAbortedError
@@ -47,7 +48,7 @@ def table_of(world: int, clock: Clock, **limits: object) -> RoundTable:
 
 
 def push(table: RoundTable, step: int, rank: int, bucket: int = 0) -> RoundTicket:
-    return table.push("job", step, bucket, rank, encode(values(rank, step), EXACT))
+    return round_calls.push(table, "job", step, bucket, rank, encode(values(rank, step), EXACT))
 
 
 def answered_at_once(table: RoundTable, ticket: RoundTicket) -> bool:
@@ -71,7 +72,7 @@ def test_a_rank_late_past_the_deadline_gets_the_failure_at_once_and_the_ranks_re
     table = table_of(3, clock)
     for step in range(2):
         tickets = [push(table, step, rank) for rank in range(3)]
-        assert decode(table.wait(tickets[0]).mean)[0] == 10 * step + 1
+        assert decode(round_calls.wait(table, tickets[0]).mean)[0] == 10 * step + 1
     # Rank 2 stops before step 2; ranks 0 and 1 go on, failing one step per deadline.
     failed = {}
     for step in (2, 3, 4):
@@ -91,11 +92,11 @@ def test_a_rank_late_past_the_deadline_gets_the_failure_at_once_and_the_ranks_re
     # ... and it joins the step the others are at: from there every step completes for everyone.
     mine = push(table, 5, 2)
     for ticket in (*others, mine):
-        assert decode(table.wait(ticket).mean)[0] == 51
+        assert decode(round_calls.wait(table, ticket).mean)[0] == 51
     for step in range(6, 10):
         tickets = [push(table, step, rank) for rank in (2, 0, 1)]
         for ticket in tickets:
-            assert decode(table.wait(ticket).mean)[0] == 10 * step + 1
+            assert decode(round_calls.wait(table, ticket).mean)[0] == 10 * step + 1
     assert table.in_flight() == 0
     assert table.counters["rounds_failed"] == 3
 
@@ -121,7 +122,7 @@ def test_a_stray_round_that_nothing_moved_past_starts_afresh_after_its_answer_pe
     table = table_of(2, clock, max_steps_ahead=4)
     for step in range(2):
         tickets = [push(table, step, rank) for rank in (0, 1)]
-        table.wait(tickets[0])
+        round_calls.wait(table, tickets[0])
     stray = push(table, 5, 1)  # in the window, ahead of the others
     pass_deadline(table, clock)
     with pytest.raises(RoundAbortedError):
@@ -130,7 +131,7 @@ def test_a_stray_round_that_nothing_moved_past_starts_afresh_after_its_answer_pe
     for step in range(2, 7):
         tickets = [push(table, step, rank) for rank in (0, 1)]
         for ticket in tickets:
-            assert decode(table.wait(ticket).mean)[0] == 10 * step + 0.5
+            assert decode(round_calls.wait(table, ticket).mean)[0] == 10 * step + 0.5
 
 
 def test_a_remembered_failure_is_charged_to_its_job_and_dropped_with_its_step() -> None:
@@ -144,7 +145,7 @@ def test_a_remembered_failure_is_charged_to_its_job_and_dropped_with_its_step() 
     assert table.budget.in_use == failure.charged + GRID_ENTRY_BYTES  # and bucket 0's grid
     for step in range(1, 5):  # the window moves past step 0: its failure goes, and its charge
         tickets = [push(table, step, rank) for rank in (0, 1)]
-        table.wait(tickets[0])
+        round_calls.wait(table, tickets[0])
     assert (0, 0) not in table.jobs.all()[0].rounds
     retained = sum(rnd.charged for rnd in table.jobs.all()[0].rounds.values())
     assert table.budget.in_use - GRID_ENTRY_BYTES == retained == 3 * table.jobs.all()[0].rounds[(4, 0)].charged
@@ -159,7 +160,7 @@ def test_a_member_failing_rounds_on_purpose_exhausts_only_its_own_share() -> Non
     refused: tuple[int, str] | None = None
     for bucket in range(10_000):  # a new round key every time, each failed at once (NaN under --non-finite reject)
         try:
-            ticket = table.push("job", 0, bucket, 0, poisoned, non_finite=True)
+            ticket = round_calls.push(table, "job", 0, bucket, 0, poisoned, non_finite=True)
         except ResourceExhaustedError as exhausted:
             refused = bucket, str(exhausted)
             break
@@ -173,7 +174,7 @@ def test_a_member_failing_rounds_on_purpose_exhausts_only_its_own_share() -> Non
     held = table.jobs.all()[0].memory.in_use
     assert held <= share + failures
     # Every other job keeps its rounds.
-    mean = table.wait(table.push("other", 0, 0, 0, encode(values(0, 0), EXACT)))
+    mean = round_calls.wait(table, round_calls.push(table, "other", 0, 0, 0, encode(values(0, 0), EXACT)))
     assert decode(mean.mean)[0] == 0.0
 
 
@@ -184,7 +185,7 @@ def test_a_failed_rounds_record_holds_less_than_it_is_charged() -> None:
     rounds = 300
     tensor = encode(np.ones(4, np.float32), EXACT)
     for bucket in range(8):  # warm every path first
-        table.push("job", 0, 1000 + bucket, 0, tensor)
+        round_calls.push(table, "job", 0, 1000 + bucket, 0, tensor)
     pass_deadline(table, clock)
     gc.collect()
     logging.disable(logging.WARNING)  # pytest keeps every log record: its memory is not the round's
@@ -193,7 +194,7 @@ def test_a_failed_rounds_record_holds_less_than_it_is_charged() -> None:
         before = tracemalloc.get_traced_memory()[0]
         for bucket in range(rounds):
             for rank in range(world - 1):
-                table.push("job", 0, bucket, rank, tensor)
+                round_calls.push(table, "job", 0, bucket, rank, tensor)
         pass_deadline(table, clock)
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - before

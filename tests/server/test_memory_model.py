@@ -17,6 +17,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from round_calls import push, wait
 
 from gradq.client import WorkerClient
 from gradq.client.chunks import chunk_bounds
@@ -114,7 +115,7 @@ def test_a_retained_mean_is_held_once() -> None:
     try:
         before = tracemalloc.get_traced_memory()[0]
         for step in range(steps):
-            table.wait(table.push("job", step, 0, 0, encode(gradient, CONFIG)))  # the answer is dropped
+            wait(table, push(table, "job", step, 0, 0, encode(gradient, CONFIG)))  # the answer is dropped
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
@@ -134,7 +135,7 @@ def test_server_error_feedback_residuals_are_charged_until_the_job_ends() -> Non
     table.join("job", 0, 1)
     for step in range(4):
         for bucket in (0, 1):
-            table.wait(table.push("job", step, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
+            wait(table, push(table, "job", step, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
     job = table.jobs.all()[0]
     means = sum(rnd.charged for rnd in job.rounds.values())
     # One fp32 residual and one remembered grid per round key.
@@ -152,5 +153,5 @@ def test_a_job_inventing_round_keys_under_server_error_feedback_is_refused_at_it
     table.join("job", 0, 1)
     with pytest.raises(ResourceExhaustedError, match=r"error-feedback residual.*--max-job-memory-bytes"):
         for bucket in range(share // (4 * numel) + 2):
-            table.wait(table.push("job", 0, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
+            wait(table, push(table, "job", 0, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
     assert table.budget.in_use <= share

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from round_calls import contribute
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import FailedPreconditionError, InvalidArgumentError, RoundAbortedError
@@ -30,7 +31,7 @@ def contribute_all(
 
     def run(rank: int) -> None:
         try:
-            results[rank] = table.contribute("job", step, bucket, rank, encode(make(rank), config))
+            results[rank] = contribute(table, "job", step, bucket, rank, encode(make(rank), config))
         except Exception as error:  # collected and asserted on by the caller
             results[rank] = error
 
@@ -64,15 +65,15 @@ def test_duplicate_contribution_is_counted_once_and_answered_the_same() -> None:
     ones = encode(np.ones(8, np.float32), EXACT)
     answers: list[RoundResult] = []
     threads = [
-        threading.Thread(target=lambda: answers.append(table.contribute("job", 0, 0, 0, ones))) for _ in range(3)
+        threading.Thread(target=lambda: answers.append(contribute(table, "job", 0, 0, 0, ones))) for _ in range(3)
     ]
     for thread in threads:
         thread.start()
     time.sleep(0.2)
-    answers.append(table.contribute("job", 0, 0, 1, encode(np.full(8, 3.0, np.float32), EXACT)))
+    answers.append(contribute(table, "job", 0, 0, 1, encode(np.full(8, 3.0, np.float32), EXACT)))
     for thread in threads:
         thread.join(timeout=10)
-    retry = table.contribute("job", 0, 0, 0, ones)  # after completion: same answer, not a new round
+    retry = contribute(table, "job", 0, 0, 0, ones)  # after completion: same answer, not a new round
     assert len(answers) == 4
     for answer in [*answers, retry]:
         np.testing.assert_array_equal(decode(answer.mean), np.full(8, 2.0, np.float32))
@@ -100,18 +101,18 @@ def test_partial_policy_completes_over_quorum_and_says_so() -> None:
         assert result.partial and result.missing == (2,) and result.contributors == (0, 1)
         np.testing.assert_array_equal(decode(result.mean), np.full(4, 1.5, np.float32))
     with pytest.raises(FailedPreconditionError, match="without rank 2"):
-        table.contribute("job", 0, 0, 2, encode(np.ones(4, np.float32), EXACT))
+        contribute(table, "job", 0, 0, 2, encode(np.ones(4, np.float32), EXACT))
 
 
 def test_numel_mismatch_is_rejected_and_round_stays_intact() -> None:
     table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
-    waiter = threading.Thread(target=lambda: table.contribute("job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT)))
+    waiter = threading.Thread(target=lambda: contribute(table, "job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT)))
     waiter.start()
     while table.in_flight() == 0:  # the 6-element push must open the round first
         time.sleep(0.01)
     with pytest.raises(InvalidArgumentError, match=r"tensor.numel=5 does not match numel=6"):
-        table.contribute("job", 0, 0, 1, encode(np.ones(5, np.float32), EXACT))
-    result = table.contribute("job", 0, 0, 1, encode(np.full(6, 3.0, np.float32), EXACT))
+        contribute(table, "job", 0, 0, 1, encode(np.ones(5, np.float32), EXACT))
+    result = contribute(table, "job", 0, 0, 1, encode(np.full(6, 3.0, np.float32), EXACT))
     waiter.join(timeout=5)
     np.testing.assert_array_equal(decode(result.mean), np.full(6, 2.0, np.float32))
 
@@ -120,32 +121,33 @@ def test_unknown_job_and_rank_are_failed_preconditions() -> None:
     table = joined_table(2, round_timeout_s=1.0)
     tensor = encode(np.ones(3, np.float32), EXACT)
     with pytest.raises(FailedPreconditionError, match="job 'other' has no joined ranks"):
-        table.contribute("other", 0, 0, 0, tensor)
+        contribute(table, "other", 0, 0, 0, tensor)
     table.leave("job", 1)
     with pytest.raises(FailedPreconditionError, match=r"rank=1 has not joined job 'job'"):
-        table.contribute("job", 0, 0, 1, tensor)
+        contribute(table, "job", 0, 0, 1, tensor)
 
 
 def test_stale_step_is_rejected_after_newer_rounds_finish() -> None:
     table = joined_table(1, round_timeout_s=1.0, retain_steps=2)
     tensor = encode(np.ones(3, np.float32), EXACT)
     for step in range(6):
-        table.contribute("job", step, 0, 0, tensor)
-    assert table.contribute("job", 3, 0, 0, tensor).contributors == (0,)  # retained: answered again
+        contribute(table, "job", step, 0, 0, tensor)
+    assert contribute(table, "job", 3, 0, 0, tensor).contributors == (0,)  # retained: answered again
     with pytest.raises(FailedPreconditionError, match=r"step=2 is stale.*expected step in \[3, 9\]"):
-        table.contribute("job", 2, 0, 0, tensor)
+        contribute(table, "job", 2, 0, 0, tensor)
 
 
 def test_join_rejects_bad_world_and_rank() -> None:
     table = RoundTable(RoundPolicy(world_size=4))
-    with pytest.raises(FailedPreconditionError, match="world_size=3 does not match"):
+    with pytest.raises(FailedPreconditionError, match=r"configuration mismatch: this job has 3 ranks.*--world-size=4"):
         table.join("job", 0, 3)
     with pytest.raises(InvalidArgumentError, match=r"rank=4 is out of range; expected 0..3"):
         table.join("job", 4, 4)
     with pytest.raises(InvalidArgumentError, match="job_id"):
         table.join("", 0, 4)
     table.join("job", 0, 4)
-    assert table.join("job", 0, 4) == (4, 1)  # rejoin is idempotent
+    answer = table.join("job", 0, 4)  # rejoin is idempotent
+    assert (answer.world_size, answer.joined) == (4, 1)
 
 
 def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
@@ -154,7 +156,7 @@ def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
 
     def push() -> None:
         try:
-            table.contribute("job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
+            contribute(table, "job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
         except Exception as error:  # asserted below
             outcome.append(error)
 
@@ -193,7 +195,7 @@ def test_server_error_feedback_carries_the_return_error_forward() -> None:
         )
         sent = np.zeros_like(x)
         for step in range(40):
-            sent += decode(table.contribute("job", step, 0, 0, encode(x, EXACT)).mean)
+            sent += decode(contribute(table, "job", step, 0, 0, encode(x, EXACT)).mean)
         totals[feedback] = float(np.abs(sent / 40 - x).max())
     step_size = 2.0 / 3  # 2 bits over [-1, 1]
     assert totals[True] < 0.1 * step_size < totals[False]

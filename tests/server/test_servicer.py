@@ -268,7 +268,7 @@ def test_watch_streams_are_refused_without_a_join_and_past_their_caps() -> None:
         # A watch that ends while its rank is still joined loses it: the next round fails at once.
         stub.Join(pb.JoinRequest(job_id="w", rank=1, world_size=2), timeout=5)
         deadline = time.monotonic() + 5
-        while not any(job.lost for job in server.table.jobs.all()) and time.monotonic() < deadline:
+        while not any(job.members.lost for job in server.table.jobs.all()) and time.monotonic() < deadline:
             time.sleep(0.05)
         tensor = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig()))
         request = pb.PushPullRequest(job_id="w", step=0, bucket=0, rank=1, tensor=tensor)

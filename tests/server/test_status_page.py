@@ -13,6 +13,7 @@ from status_html import cells
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
+from gradq.server.membership import ANY_RANK
 from gradq.server.metrics import JobTotals
 from gradq.server.policy import RoundPolicy
 from gradq.server.status import ErrorRow, JobRow, StatusSnapshot
@@ -85,6 +86,20 @@ def test_a_running_job_has_its_row_and_counts(start_aggregator: StartAggregator)
     assert "ranks [1] missing" in failure["what the ranks were told"]
 
 
+def test_an_elastic_jobs_pending_joiner_and_lost_member_are_shown_as_such(start_aggregator: StartAggregator) -> None:
+    server = start_aggregator(metrics_port=0)
+    assert server.metrics_port is not None
+    table, liveness = server.table, server.servicer.liveness
+    for member in (0, 1, 2):
+        table.join("grow", member, 3, "run-1", elastic=True)  # three members: the job is formed
+    assert table.join("grow", ANY_RANK, 3, "run-1", elastic=True).catch_up  # member 3 waits for the state
+    liveness.close(liveness.open("grow", 1, "run-1"))  # member 1's Watch ends without a Leave
+    table.leave("grow", 2, "run-1")
+    page, _ = fetch(server.metrics_port)
+    row = cells(page, "jobs")["grow"]
+    assert (row["joined"], row["pending"], row["left"], row["lost"]) == ("0 (1 of 3)", "3", "2", "1")
+
+
 def test_the_metrics_are_still_served_beside_the_page(start_aggregator: StartAggregator) -> None:
     server = start_aggregator(metrics_port=0)
     assert server.metrics_port is not None
@@ -102,6 +117,7 @@ def job_row(**fields: object) -> JobRow:
         "incarnation": "inc-1",
         "world_size": 8,
         "joined": (0, 1, 2, 3, 5),
+        "pending": (9,),
         "left": (6,),
         "lost": (4, 7),
         "step": 12,
@@ -121,7 +137,7 @@ def snapshot(jobs: tuple[JobRow, ...], total: int, errors: tuple[ErrorRow, ...] 
 def test_lost_and_left_ranks_and_the_budget_are_shown() -> None:
     page = render_status(snapshot((job_row(),), 1))
     row = cells(page, "jobs")["j"]
-    assert (row["joined"], row["left"], row["lost"]) == ("0-3,5 (5 of 8)", "6", "4,7")
+    assert (row["joined"], row["pending"], row["left"], row["lost"]) == ("0-3,5 (5 of 8)", "9", "6", "4,7")
     assert row["memory"] == "3.0 MiB (25.0%)" and row["ratio"] == "7.50x"
     assert "memory budget 3.0 MiB of 1.0 GiB (0.3%)" in page
 

@@ -1,0 +1,277 @@
+"""Membership: a job's members, fixed or elastic, and which contributions complete, or may close, its rounds.
+
+Thread model: a ``Membership`` belongs to one job and is guarded by the job
+table's lock. Every method is called with that lock held (by the job table,
+liveness, the state relay and the round logic, each briefly) and none blocks,
+takes another lock or does I/O. The round logic asks ``complete`` and
+``missing`` while it holds a round's lock, taking the table's lock after it
+(the table's lock order); a fixed job's ``complete`` reads only what never
+changes in a run, so it needs no lock.
+
+A fixed job has ``world_size`` members, ids 0..world_size-1, for the whole run:
+a round waits for all of them, and a member lost (its Watch stream ended
+without a Leave) stays in ``lost`` until it rejoins, so that the rounds waiting
+on it fail, naming it, unless a partial quorum closes them over the others.
+
+An elastic job is formed once ``world_size`` members have joined. From then on
+a round waits for the members training now (``joined``); a lost member is
+dropped (and shown as lost) and the others go on; a newcomer is pending until
+a live member has sent it the training state (gradq.server.state_relay), when
+``admit`` moves it into the members training. Member ids pass ``world_size``
+as hosts are replaced.
+
+Each member stands for ``ranks`` of the job's ranks: one, or a host's under
+two-level aggregation. ``job_ranks`` is the job's ranks in all (what the
+launcher calls the world size, and what gradq serve --world-size counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gradq.server.errors import FailedPreconditionError, ResourceExhaustedError
+
+__all__ = ["ANY_RANK", "Membership", "MemberStates"]
+
+# An elastic Join's rank asking the aggregator for the lowest free member id (uint32's largest).
+ANY_RANK = 0xFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStates:
+    """Each member that joined a run, by what it is doing now (for the status page); ascending ids."""
+
+    training: tuple[int, ...]  # joined, neither left nor lost; the members a round waits for
+    pending: tuple[int, ...]  # elastic newcomers waiting for the training state
+    left: tuple[int, ...]  # left with a Leave
+    lost: tuple[int, ...]  # their Watch stream ended without a Leave
+
+
+@dataclass(eq=False, slots=True)
+class Membership:
+    """Who the members of one run of a job are, and what its rounds wait for. Guarded by the job table's lock."""
+
+    world_size: int  # members the job starts with (a fixed job's, for the whole run)
+    job_ranks: int  # the ranks the job has in all; its members stand for them
+    job_ranks_given: bool = False  # the Joins said job_ranks (0 on the wire: world_size, not checked)
+    elastic: bool = False
+    formed: bool = False  # elastic: world_size members have joined, so rounds wait for the members training
+    joined: set[int] = field(default_factory=set)  # the members training
+    # Member -> how many ranks it stands for (a host's under two-level aggregation; 1 by default).
+    ranks: dict[int, int] = field(default_factory=dict)
+    # Fixed: member -> why it is considered lost; its rounds cannot complete. A Join clears it.
+    lost: dict[int, str] = field(default_factory=dict)
+    pending: dict[int, int] = field(default_factory=dict)  # elastic: newcomer -> ranks, until it has the state
+    dropped: set[int] = field(default_factory=set)  # elastic: members lost and dropped; a Join clears it
+
+    # -- who is a member ------------------------------------------------------------------
+
+    def check_join(self, world_size: int, job_ranks: int, ranks: int, describe: Callable[[], str]) -> None:
+        """Refuse a Join whose view of the job disagrees with this run's.
+
+        Args:
+            world_size: the Join's members.
+            job_ranks: the Join's ranks in all (0: not given).
+            ranks: the ranks the joining member stands for.
+            describe: names the job, for messages.
+
+        Raises:
+            FailedPreconditionError: world_size, job_ranks, or an elastic host's ranks disagree.
+        """
+        if world_size != self.world_size:
+            raise FailedPreconditionError(
+                f"world_size={world_size} does not match {describe()}, which has world_size={self.world_size}"
+            )
+        if (job_ranks or world_size) != self.job_ranks:
+            raise FailedPreconditionError(
+                f"job_ranks={job_ranks or world_size} does not match {describe()}, which has "
+                f"job_ranks={self.job_ranks} (the ranks of the whole job); every rank must say the same"
+            )
+        held = set(self.ranks.values())
+        if self.elastic and held and held != {ranks}:
+            raise FailedPreconditionError(
+                f"ranks={ranks} does not match elastic {describe()}, whose hosts hold {held.pop()} ranks "
+                f"each; every host of an elastic job holds as many (its buckets are cut into that many pieces)"
+            )
+
+    def place(self, rank: int, ranks: int, max_members: int, describe: Callable[[], str]) -> tuple[int, bool]:
+        """Make ``rank`` a member standing for ``ranks``: training, or pending in a formed elastic job.
+
+        Args:
+            rank: the member id, or ANY_RANK (elastic) for the lowest free one.
+            ranks: the ranks it stands for; every Join of a member must agree.
+            max_members: --max-world-size, the most member ids an elastic job may hold.
+            describe: names the job, for messages.
+
+        Returns:
+            (the member id, whether it was a member already: a rejoin).
+
+        Raises:
+            FailedPreconditionError: ``ranks`` disagrees with the member's, or the ranks
+                the members stand for would not add up to ``job_ranks``.
+            ResourceExhaustedError: an elastic job holds ``max_members`` ids already.
+        """
+        if rank == ANY_RANK:
+            rank = self._lowest_free(max_members, describe)
+        if self.ranks.get(rank, ranks) != ranks:
+            raise FailedPreconditionError(
+                f"ranks={ranks} does not match {describe()}, where member {rank} stands for "
+                f"{self.ranks[rank]} ranks; every rank of a host must join with the host's rank count"
+            )
+        self._check_ranks_add_up(rank, ranks, describe)
+        rejoined = rank in self.joined or rank in self.pending
+        if self.elastic and self.formed and rank not in self.joined:
+            self.pending[rank] = ranks  # trains only once it has the state (gradq.server.state_relay)
+        else:
+            self.joined.add(rank)
+            self.formed = self.formed or (self.elastic and len(self.joined) >= self.world_size)
+        self.ranks[rank] = ranks
+        self.lost.pop(rank, None)  # back: its process (or connection) lives again
+        self.dropped.discard(rank)
+        return rank, rejoined
+
+    def admit(self, joiner: int, sender: int, describe: Callable[[], str]) -> None:
+        """Move a pending ``joiner`` into the members training, as ``sender`` starts sending it the state.
+
+        Raises:
+            FailedPreconditionError: ``sender`` is not a member training, or ``joiner`` is not pending.
+        """
+        if sender not in self.joined:
+            raise FailedPreconditionError(
+                f"member {sender} is not training in elastic {describe()}; only a live member sends the state"
+            )
+        if joiner not in self.pending:
+            raise FailedPreconditionError(f"member {joiner} of elastic {describe()} is not pending")
+        self.joined.add(joiner)
+        self.ranks[joiner] = self.pending.pop(joiner)
+
+    def holds(self, rank: int, pending_ok: bool = False) -> bool:
+        """Whether ``rank`` is a member training (or, with ``pending_ok``, one waiting for the state)."""
+        return rank in self.joined or (pending_ok and rank in self.pending)
+
+    def is_pending(self, rank: int) -> bool:
+        """Whether ``rank`` is an elastic newcomer still waiting for the state."""
+        return rank in self.pending
+
+    @property
+    def empty(self) -> bool:
+        """No member trains or waits: the run is over."""
+        return not self.joined and not self.pending
+
+    def remove(self, rank: int) -> bool:
+        """``rank`` left (a Leave); returns whether it was a member."""
+        if not self.holds(rank, pending_ok=True):
+            return False
+        self.joined.discard(rank)
+        self.pending.pop(rank, None)
+        return True
+
+    def lose(self, rank: int, reason: str) -> bool:
+        """``rank``'s Watch stream ended without a Leave; returns whether it was a member.
+
+        An elastic job drops it (the others go on); a fixed job remembers why,
+        and its rounds that wait on it cannot complete until it rejoins.
+        """
+        if not self.holds(rank, pending_ok=True):
+            return False
+        if self.elastic:
+            self.joined.discard(rank)
+            self.pending.pop(rank, None)
+            self.dropped.add(rank)
+        else:
+            self.lost[rank] = reason
+        return True
+
+    @property
+    def goes_on_without_the_gone(self) -> bool:
+        """A member gone leaves the rounds to the others (a formed elastic job), instead of closing them short."""
+        return self.elastic and self.formed
+
+    def blocking_loss(self) -> tuple[int, str] | None:
+        """A lost member no round can complete without (a fixed job's, lowest first), and why; None if none."""
+        if not self.lost:
+            return None
+        rank = min(self.lost)
+        return rank, self.lost[rank]
+
+    # -- what a round waits for -----------------------------------------------------------------
+
+    def complete(self, contributors: set[int]) -> bool:
+        """Whether a round with these contributors has every contribution it waits for.
+
+        A fixed job (or an elastic one still forming) waits for ``world_size``
+        members; a formed elastic job for the members training now.
+        """
+        if self.elastic and self.formed:
+            return bool(self.joined) and self.joined <= contributors
+        return len(contributors) == self.world_size
+
+    def expected(self) -> set[int]:
+        """The members a round waits for: a fixed job's ids 0..world_size-1, an elastic job's members training."""
+        return set(self.joined) if self.elastic else set(range(self.world_size))
+
+    def missing(self, contributors: set[int]) -> tuple[int, ...]:
+        """The members a round waits for that have not contributed, ascending."""
+        return tuple(sorted(self.expected() - contributors))
+
+    def quorum_met(self, contributors: set[int], quorum: int) -> bool:
+        """Whether a round short of members may close over ``contributors`` (--partial-quorum; 0: never)."""
+        return bool(quorum) and len(contributors) >= quorum
+
+    # -- what others are told -------------------------------------------------------------------
+
+    def ranks_training(self) -> int:
+        """The ranks the members training stand for: what a round's mean divides by when they all push."""
+        return sum(self.ranks.get(member, 1) for member in self.joined)
+
+    def donor(self) -> int:
+        """The member asked to send joiners the state: the lowest training (0 when none trains)."""
+        return min(self.joined, default=0)
+
+    def states(self) -> MemberStates:
+        """Every member of this run by what it does now."""
+        lost = set(self.lost) | self.dropped
+        training = self.joined - lost
+        return MemberStates(
+            training=tuple(sorted(training)),
+            pending=tuple(sorted(set(self.pending) - lost)),
+            left=tuple(sorted(set(self.ranks) - self.joined - set(self.pending) - lost)),
+            lost=tuple(sorted(lost)),
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _check_ranks_add_up(self, rank: int, ranks: int, describe: Callable[[], str]) -> None:
+        """The ranks a fixed job's members stand for add up to ``job_ranks`` (an elastic host's, times world_size)."""
+        if not self.job_ranks_given:
+            return
+        if self.elastic:
+            if ranks * self.world_size != self.job_ranks:
+                raise FailedPreconditionError(
+                    f"ranks={ranks} of member {rank} does not add up in elastic {describe()}: its world_size="
+                    f"{self.world_size} hosts of {ranks} ranks each stand for {ranks * self.world_size} ranks, "
+                    f"not job_ranks={self.job_ranks}"
+                )
+            return
+        members = {**self.ranks, rank: ranks}
+        total = sum(members.values())
+        if total > self.job_ranks or (len(members) == self.world_size and total != self.job_ranks):
+            raise FailedPreconditionError(
+                f"ranks={ranks} of member {rank} does not add up in {describe()}: its {len(members)} of "
+                f"world_size={self.world_size} members would stand for {total} ranks, but job_ranks="
+                f"{self.job_ranks}; the ranks of the job's hosts must add up to the job's ranks"
+            )
+
+    def _lowest_free(self, limit: int, describe: Callable[[], str]) -> int:
+        """The lowest member id no member (training or pending) holds.
+
+        Raises:
+            ResourceExhaustedError: ``limit`` (--max-world-size) members hold ids already.
+        """
+        taken = self.joined | self.pending.keys()
+        if len(taken) >= limit:
+            raise ResourceExhaustedError(
+                f"{describe()} has {len(taken)} members, the most this aggregator allows (--max-world-size)"
+            )
+        return next(candidate for candidate in range(len(taken) + 1) if candidate not in taken)
