@@ -32,7 +32,7 @@ is a benchmark, not a test.
 
 ``--hosts HxL`` runs H x L ranks instead, rank r on emulated host r // L (all on
 loopback): the two-level rows (``-2l``) pass ``host=...``, so each host's ranks
-reduce inside it and push 1/L each (issue 23); every other gradq row runs
+reduce inside it and push 1/L each (two-level aggregation); every other gradq row runs
 ``host_grouping="flat"``, every rank its own member at the aggregator.
 """
 
@@ -103,7 +103,7 @@ MAIN_METHODS = (
 )
 # Techniques tried on the low-bit rows (--methods picks them): each changes one thing.
 _SERVER_FEEDBACK = ("--server-error-feedback", "true")
-# The aggregator's default before issue 26: the mean re-encoded to nearest with no residual (biased at low bits).
+# The aggregator's former default: the mean re-encoded to nearest with no residual (biased at low bits).
 _NO_SERVER_FEEDBACK = ("--server-error-feedback", "false")
 CANDIDATE_METHODS = (
     Method(
@@ -116,7 +116,7 @@ CANDIDATE_METHODS = (
     ),
     Method(
         "gradq2ef-nosef",
-        "gradq 2-bit + EF, no server EF (before issue 26)",
+        "gradq 2-bit + EF, no server EF (the former default)",
         "gradq2ef-2",
         bits=2,
         error_feedback=True,
@@ -124,7 +124,7 @@ CANDIDATE_METHODS = (
     ),
     Method(
         "gradq1sign-nosef",
-        "gradq 1-bit scaled sign + EF, no server EF (before issue 26)",
+        "gradq 1-bit scaled sign + EF, no server EF (the former default)",
         "gradq1sign-2",
         bits=1,
         scheme="per_channel_sign",
@@ -358,7 +358,7 @@ def train_one(rank: int, spec: JobSpec, task: Task, optimizer_key: str, method: 
                 curve["step"].append(step)
                 curve["loss"].append(loss)
                 curve["accuracy"].append(accuracy)
-        # Issue 26's symptom of a biased mean: the parameters' sum drifting away from fp32's.
+        # A biased mean shows as the parameters' sum drifting away from fp32's.
         curve["parameter_sum"].append(float(sum(float(p.detach().sum()) for p in model.module.parameters())))
         dist.barrier()
     finally:

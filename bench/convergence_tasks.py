@@ -3,7 +3,7 @@
 Tuned on: the digits MLP and a character-level transformer language model on
 the English of Python's own reference manual (``pydoc_data.topics``, part of
 CPython: about 465,000 characters of the language reference that ``help()``
-shows). Held back (issue 26; no setting was chosen on them): a small
+shows). Held back (no setting was chosen on them): a small
 convolutional network with batch norm on the same 8x8 digits as images, and a
 word-level transformer language model over a 2,048-token vocabulary of Python
 source: the standard library's top-level modules, split into identifiers,

@@ -15,7 +15,7 @@ whichever row ran at the time. After ``--warmup`` untimed steps (which also
 cover DDP's bucket rebuild, gradq's join and numba's first call), rank 0 times
 ``--steps`` steps per method (forward + backward + optimizer.step, wall clock)
 and the row shows their median. Seed 000's per-channel hook loops over
-512-element channels in Python (~0.65 s a step at world 2), so it takes
+512-element channels in Python (slow: figures in bench/results/ddp-step.md), so it takes
 ``--slow-steps`` timed steps after one warm-up step, spread over the run.
 
 The gradq rows push to a real aggregator (``python -m gradq.server``, one per
@@ -32,8 +32,8 @@ On a small machine the ranks share the cores with each other and with the
 aggregator: world 4 on 2 cores runs 4 ranks plus the aggregator on 2 cores, so
 its times include waiting for a core; compare rows within one world size. The
 run prints the load average before and after: other work on the machine skews
-the ratios. A default run takes about 1.5 minutes on 2 cores. This is a
-benchmark, not a test.
+the ratios (figures, and how long a default run takes: bench/results/ddp-step.md).
+This is a benchmark, not a test.
 """
 
 import os
@@ -490,7 +490,7 @@ def _growth_target(rows: Sequence[Row], bits: int) -> Verdict:
 
 
 def targets(rows: Sequence[Row]) -> list[Verdict]:
-    """Every target of the issue, judged on the measured rows."""
+    """Every target (docs/performance.md#targets), judged on the measured rows."""
     return [
         _time_target(
             rows,

@@ -22,7 +22,7 @@ rows. For each row, over all steps:
 - AdamW: a shadow AdamW fed the delivered gradients from the same start ends
   this far from the one fed the exact mean, relative to how far that one moved
   (``||theta' - theta|| / ||theta - theta_0||``), and its parameter sum moves
-  ``sum(theta' - theta)`` (the issue's symptom).
+  ``sum(theta' - theta)`` (a biased mean's symptom).
 
 This is a benchmark, not a test: it prints a table (and writes it under
 ``bench/results/`` with --save).
@@ -64,7 +64,7 @@ class Row:
 ROWS = (
     Row("push leg only (EF), mean back in fp32", push=True, back="fp32"),
     Row("return leg only: exact mean, back on the push grid", push=False, back="same"),
-    Row("full path, mean back on the push grid, no server EF (the default before issue 26)", push=True, back="same"),
+    Row("full path, mean back on the push grid, no server EF (the former default)", push=True, back="same"),
     Row("full path, mean back on the push grid + server EF (the default now)", push=True, back="same-ef"),
     Row("full path, mean back on the push grid, stochastic", push=True, back="same-sr"),
     Row("full path, mean back at 8 bits, nearest", push=True, back="8bit"),

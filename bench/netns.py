@@ -34,7 +34,7 @@ SUBNET = "10.77.0"  # a /24 that exists only inside these namespaces
 HOST_DEVICE = "gq0"  # the host's end of its veth, same name in every host namespace
 WORKER_OFFSET = 10  # worker K is 10.77.0.(10+K)
 AGGREGATOR_OFFSET = 100  # aggregator K is 10.77.0.(100+K)
-# tbf settings from /work/shared/ENVIRONMENT.md: 956 Mbit/s measured at "1gbit".
+# tbf settings of the emulated links (figures: bench/results/network-links.md).
 TBF_BURST = "256kb"
 TBF_LATENCY = "50ms"
 _OURS = re.compile(rf"^{re.escape(PREFIX)}(sw|w\d+|a\d+)$")

@@ -16,7 +16,7 @@ exit, on SIGTERM/SIGINT/SIGHUP and by ``--cleanup``.
 
 With ``--hosts HxL`` (instead of ``--worlds``) each of H worker namespaces is a
 host of L ranks: they share its one shaped link and talk to each other over its
-loopback, unshaped (issue 23). Its default rows put gradq's flat path
+loopback, unshaped. Its default rows put gradq's flat path
 (host_grouping="flat") beside two-level aggregation (host=<namespace>) at the
 same grids, with DDP's allreduce, bf16 and PowerSGD rank 4; the report adds the
 bytes through each host's link, the aggregator shards' own CPU time and the

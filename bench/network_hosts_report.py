@@ -1,4 +1,4 @@
-"""bench/network.py's report on hosts of several ranks (--hosts HxL): their table and issue 23's targets."""
+"""bench/network.py's report on hosts of several ranks (--hosts HxL): their table and the two-level targets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from network_report import MEGA, Row, find_row, format_optional, format_percent,
 
 __all__ = ["flat_counterpart", "host_sections"]
 
-# Issue 23's targets for two-level aggregation.
+# The targets for two-level aggregation (docs/performance.md#targets).
 TARGET_BYTES_SLACK = 1.05  # two-level host link bytes <= (1/L) x flat gradq's + 5%
 TARGET_STEP_RATIO = 0.7  # two-level step <= 0.7 x flat gradq's step ...
 TARGET_STEP_RANKS_PER_HOST = 2  # ... at 2 hosts x 2 ranks
@@ -154,7 +154,7 @@ def host_sections(rows: Sequence[Row]) -> list[str]:
     chosen = _host_rows(rows)
     if not chosen:
         return []
-    lines = ["", "## hosts of several ranks: flat vs two-level gradq (issue 23)"]
+    lines = ["", "## hosts of several ranks: flat vs two-level gradq"]
     for model in dict.fromkeys(row.scenario.model for row in chosen):
         model_rows = [row for row in chosen if row.scenario.model == model]
         lines += ["", f"### {model} ({model_rows[0].numel:,} parameters)", "", *_table(model_rows)]

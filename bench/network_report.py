@@ -31,7 +31,7 @@ __all__ = [
 
 FP32_BYTES = 4
 MEGA = 1e6
-# The targets.
+# The targets (docs/performance.md#targets).
 TARGET_RATE = "1gbit"
 TARGET_WORLD = 4
 TARGET_SPEEDUP = {8: 2.0, 4: 3.5}  # gloo allreduce fp32 time / gradq time

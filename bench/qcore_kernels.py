@@ -7,8 +7,9 @@ Run from the repository root:
 
 With a C compiler (``$CC``, default ``cc``) it also builds bench/native/round_trip.c,
 the same 8-bit per-channel round trip as plain C loops, and times it alternately
-with gradq's. The round trip's target is printed twice: as DESIGN.md states it,
-and scaled by the reference rows DESIGN.md quotes beside it (copy, numpy, torch).
+with gradq's. The round trip's absolute floor is printed twice: as set, and scaled
+by the reference rows measured where it was set (copy, numpy, torch). The targets
+are in docs/performance.md; figures: bench/results/qcore-kernels.md.
 
 Every row is GB/s of fp32 input (4 bytes per element / median seconds of one call,
 after one warm-up call), on one thread. This is a benchmark, not a test: torch is
@@ -52,7 +53,8 @@ SEED_KERNEL = "seed 000 torch loop round trip [a]"
 TORCH_DEPRECATION = "torch.quantize_per_tensor, torch.quantize_per_channel"
 TARGET_ROUND_TRIP_GBPS = 5.0
 TARGET_ACCUMULATE_GBPS = 10.0
-# The bucket size and the rows DESIGN.md quotes beside the 5 GB/s target, from the machine it was set on.
+# The bucket size of the targets (docs/performance.md), and the reference rows of the machine the 5 GB/s floor was
+# set on.
 DESIGN_NUMEL = 6_000_000
 DESIGN_REFERENCE_GBPS = {
     "memory copy (np.copyto)": 25.0,
@@ -62,7 +64,8 @@ DESIGN_REFERENCE_GBPS = {
 NATIVE_SOURCE = Path(__file__).with_name("native") / "round_trip.c"
 NATIVE_KERNEL = "C round trip, same arithmetic, -O3 -march=native [c]"
 PAIRED_KERNEL = "gradq round trip, timed alternately with [c]"
-# Written between the cold rows' runs: past the last-level cache of the machines measured (300 MiB here).
+# Written between the cold rows' runs: past the last-level cache of the machines measured
+# (figures: bench/results/qcore-kernels.md).
 EVICTION_BYTES = 512 << 20
 
 
@@ -492,10 +495,10 @@ def targets_for(rows: Sequence[Row]) -> list[Target]:
 
 
 def scaled_targets_for(rows: Sequence[Row]) -> list[Target]:
-    """The round trip's target carried to this machine by each reference row DESIGN.md quotes beside it.
+    """The round trip's floor carried to this machine by each reference row of the machine it was set on.
 
-    DESIGN.md set 5 GB/s where a copy ran at 25 GB/s, numpy at 1.2 and torch
-    at 0.9; each row measured here scales the target by the same factor.
+    The 5 GB/s floor was set where a copy ran at 25 GB/s, numpy at 1.2 and torch
+    at 0.9; each row measured here scales the floor by the same factor.
     """
     round_trip = find_row(rows, "gradq round trip", 8, PER_CHANNEL)
     targets = []
@@ -503,7 +506,7 @@ def scaled_targets_for(rows: Sequence[Row]) -> list[Target]:
         here = next(row for row in rows if row.kernel == kernel)
         targets.append(
             Target(
-                f"round trip vs {kernel} ({here.gbps:.2f} GB/s here, {design_gbps:g} in DESIGN.md)",
+                f"round trip vs {kernel} ({here.gbps:.2f} GB/s here, {design_gbps:g} where the floor was set)",
                 TARGET_ROUND_TRIP_GBPS * here.gbps / design_gbps,
                 round_trip.gbps,
             )
@@ -580,11 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = targets_for(rows)
     print(format_targets(targets))
     print()
-    title = "## the round trip's target scaled by DESIGN.md's reference rows"
+    title = "## the round trip's floor scaled by the reference rows of the machine it was set on"
     if args.numel == DESIGN_NUMEL:
         print(format_targets(scaled_targets_for(rows), title))
     else:
-        print(f"{title}\n\nNot scaled: DESIGN.md's rows are for {DESIGN_NUMEL:,} elements, not --numel={args.numel:,}.")
+        print(
+            f"{title}\n\nNot scaled: the reference rows are for {DESIGN_NUMEL:,} elements, not --numel={args.numel:,}."
+        )
     return 1 if args.check and not all(target.passed for target in targets) else 0
 
 

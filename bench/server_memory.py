@@ -1,4 +1,4 @@
-"""Aggregator memory under a GPT-2-sized job, against the README's memory model.
+"""Aggregator memory under a GPT-2-sized job, against the memory model of docs/operating.md.
 
 Run from the repository root with the virtualenv's interpreter::
 
@@ -14,7 +14,7 @@ next step's. Gradients are random and encoded by the ranks every step, so the
 figures include real encoding; the timing is not the point.
 
 Printed: the server's baseline RSS (numba and the codecs loaded, before the
-job), its peak RSS and the budget's peak, and what the README's memory model
+job), its peak RSS and the budget's peak, and what the memory model
 predicts: the encoded means of ``retain_steps + 1`` steps plus one fp32
 accumulator per round in flight, and, outside the budget, gRPC's buffers for
 the pushes being received. This is a benchmark, not a test
@@ -115,7 +115,7 @@ def rank(address: str, rank_id: int, world: int, params: int, steps: int, pipe: 
 
 
 def model(params: int, world: int) -> dict[str, int]:
-    """The README's memory model for one shard holding every bucket of the job."""
+    """The memory model (docs/operating.md) for one shard holding every bucket of the job."""
     config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8)
     codec = codec_for(config.scheme)
     chunks = [
