@@ -9,7 +9,7 @@ the gloo rendezvous. More addresses than ``--world-size`` fail every worker with
 Every flag can also be set by a GRADQ_* environment variable, so a Compose
 override adds settings (``environment`` merges key by key) without repeating
 the command (``command`` is replaced whole). The variables the DDP hook reads
-too are read by gradq.client.ddp.env, as ``GradqHookState.from_env()`` reads
+too are read by gradq.client.env, as ``GradqHookState.from_env()`` reads
 them: one parser, one default, one error message each. Before it loads torch
 a worker checks its settings, then waits up to ``--connect-timeout`` for its
 aggregator's health check; either failing is one line and exit status 2.
@@ -33,10 +33,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gradq.client.apps.hook_settings import HookSettings
 from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
-from gradq.client.ddp.env import (
+from gradq.client.env import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HOOK_PARSERS,
     HOST_GROUPINGS,
@@ -53,7 +54,7 @@ from gradq.qcore import QuantConfig
 if TYPE_CHECKING:
     from gradq.client.apps.training import TrainResult
 
-__all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main"]
+__all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main", "run"]
 
 # The exit status of a worker stopped by SIGTERM before it has a verdict (128 + SIGTERM, as a shell reports it).
 _STOPPED_STATUS = 128 + signal.SIGTERM
@@ -170,7 +171,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables.
 
-    The variables are read by gradq.client.ddp.env, the reader behind
+    The variables are read by gradq.client.env, the reader behind
     ``GradqHookState.from_env()``: the same names, parsing, errors and defaults.
 
     Args:
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     then would turn this rank's verdict into 143.
     """
     try:
-        status = _train_one_rank(argv)
+        status = run(argv)
     except SystemExit as stop:  # argparse: --help, or a configuration error
         status = stop.code if isinstance(stop.code, int) else 2
     sys.stdout.flush()
@@ -269,27 +270,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(status)
 
 
-def _grid_and_security(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
-) -> tuple[QuantConfig, ChannelSecurity]:
-    """The push grid and the channel security the flags ask for; a bad one ends in argparse's error (exit 2)."""
+def _hook_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> HookSettings:
+    """Every flag the hook takes, built once for both paths; a bad one ends in argparse's error (exit 2)."""
     try:
         token = args.token_file.read_text().strip() if args.token_file else None
         security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-        return QuantConfig(scheme=args.scheme, bits=args.bits), security
+        config = QuantConfig(scheme=args.scheme, bits=args.bits)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    return HookSettings(
+        config=config,
+        error_feedback=args.error_feedback,
+        connect_timeout_s=args.connect_timeout,
+        security=security,
+        chunk_elements=args.chunk_elements,
+        host=args.host,
+        host_grouping=args.host_grouping,
+        bit_policy=args.bit_policy,
+        average_bits=args.average_bits,
+    )
 
 
 def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespace, aggregators: list[str]) -> int:
-    """One host of an elastic job (see gradq.client.ddp.elastic): exit 0 at or above --min-accuracy."""
+    """One host of an elastic job (see gradq.client.session.elastic): exit 0 at or above --min-accuracy."""
     if args.job_id is None:
         parser.error("--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it")
     if len(aggregators) != 1:
         parser.error(f"--elastic-hosts: an elastic job runs on one aggregator; got {len(aggregators)}")
-    config, security = _grid_and_security(parser, args)
+    settings = _hook_settings(parser, args)
     try:
-        wait_for_aggregators(aggregators, args.connect_timeout, security)
+        wait_for_aggregators(aggregators, args.connect_timeout, settings.security)
     except AggregationError as error:
         print(f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS)", file=sys.stderr, flush=True)
         return 2
@@ -305,10 +315,8 @@ def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespac
         args.job_id,
         args.elastic_hosts,
         steps=args.epochs * _ELASTIC_STEPS_PER_EPOCH,
-        config=config,
-        error_feedback=bool(args.error_feedback),
-        security=security,
         on_step=report,
+        **settings.hook_settings(),
     )
     try:
         result = train_elastic(spec)
@@ -324,7 +332,18 @@ def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespac
     return 0 if passed else 1
 
 
-def _train_one_rank(argv: Sequence[str] | None) -> int:
+def run(argv: Sequence[str] | None = None) -> int:
+    """Train as one rank (fixed or elastic, as the flags say) and return ``main``'s exit status; main ends the process.
+
+    Args:
+        argv: the flags (None: ``sys.argv[1:]``).
+
+    Returns:
+        0 at or above ``--min-accuracy``, 1 below it or when the aggregator fails, 2 on bad settings.
+
+    Raises:
+        SystemExit: argparse's ``--help`` or a configuration error (status 2).
+    """
     try:
         parser = build_parser()
     except ValueError as error:  # a bad GRADQ_* variable
@@ -338,7 +357,7 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         return _train_elastic_host(parser, args, aggregators)
     if args.world_size is None:
         parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
-    config, security = _grid_and_security(parser, args)
+    settings = _hook_settings(parser, args)
     discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
     verdict: list[int] = []  # 0 or 1 once this rank has its result
 
@@ -362,7 +381,7 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         flush=True,
     )
     try:
-        wait_for_aggregators(aggregators, args.connect_timeout, security)
+        wait_for_aggregators(aggregators, args.connect_timeout, settings.security)
     except AggregationError as error:
         print(
             f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS), or wait longer with "
@@ -406,19 +425,11 @@ def _train_one_rank(argv: Sequence[str] | None) -> int:
         world_size=args.world_size,
         init_method=f"tcp://{master}:{args.master_port}",
         aggregators=tuple(aggregators),
-        config=config,
-        error_feedback=args.error_feedback,
         epochs=args.epochs,
         job_id=args.job_id,
-        connect_timeout_s=args.connect_timeout,
-        security=security,
-        chunk_elements=args.chunk_elements,
-        host=args.host,
-        host_grouping=args.host_grouping,
-        bit_policy=args.bit_policy,
-        average_bits=args.average_bits,
         on_epoch=report_epoch,
         on_trained=report_result,
+        **settings.hook_settings(),
     )
     train_digits(rank, spec)
     return verdict[0]

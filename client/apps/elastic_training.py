@@ -2,7 +2,7 @@
 
 Hosts that start the job start from the same seed (there is no broadcast
 between hosts); one that joins later receives the model and optimizer state
-from a live host (see gradq.client.ddp.elastic) and trains from that step on.
+from a live host (see gradq.client.session.elastic) and trains from that step on.
 Each step's batch is drawn from the step, the host's member id and the rank
 within the host, so a run's data does not depend on when a host came or went.
 Run it in one process per host, or under one torchrun per host (the host's
@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.apps.hook_settings import HookSettings
 from gradq.client.apps.training import load_digits_split
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.client.security import ChannelSecurity
-from gradq.qcore import QuantConfig, decode, encode
+from gradq.qcore import decode, encode
 
 __all__ = ["ElasticSpec", "ElasticStep", "ElasticResult", "train_elastic"]
 
@@ -59,15 +59,14 @@ class ElasticResult:
 
 
 @dataclass(frozen=True, slots=True)
-class ElasticSpec:
-    """One elastic host's training run.
+class ElasticSpec(HookSettings):
+    """One elastic host's training run; the hook's settings are those of HookSettings (keyword-only).
 
     Args:
         aggregator: ``host:port`` of the one aggregator.
         job_id: the job every host of the run shares.
         hosts: the hosts the job starts with (``elastic_hosts``).
         steps: train until this step (a joiner starts at the step it receives).
-        config, error_feedback, security: the hook's.
         batch_size, learning_rate, seed, hidden: the usual (AdamW; the rate
             decays on a cosine to 0 at ``steps``, a function of the step alone).
         step_sleep_s: pause after each step (a benchmark's stand-in for a bigger model's compute).
@@ -79,9 +78,6 @@ class ElasticSpec:
     job_id: str
     hosts: int
     steps: int = 200
-    config: QuantConfig = field(default_factory=QuantConfig)
-    error_feedback: bool = False
-    security: ChannelSecurity | None = None
     batch_size: int = 128
     learning_rate: float = 1e-3
     seed: int = 0
@@ -109,12 +105,7 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
             model = DistributedDataParallel(_model(x_train.shape[1], spec.hidden))
             optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
             state = GradqHookState(
-                spec.aggregator,
-                spec.config,
-                job_id=spec.job_id,
-                error_feedback=spec.error_feedback,
-                security=spec.security,
-                elastic_hosts=spec.hosts,
+                spec.aggregator, job_id=spec.job_id, elastic_hosts=spec.hosts, **spec.state_arguments()
             )
             model.register_comm_hook(state, gradq_hook)
             state.share(model, optimizer)

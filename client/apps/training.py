@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,28 +16,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.apps.hook_settings import HookSettings
 from gradq.client.ddp import GradqHookState, gradq_hook
-from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S
-from gradq.client.security import ChannelSecurity
 from gradq.client.stats import ClientStats
-from gradq.qcore import QuantConfig
 
 __all__ = ["TrainSpec", "TrainResult", "train_digits", "load_digits_split"]
 
 
 @dataclass(frozen=True, slots=True)
-class TrainSpec:
-    """One training run.
+class TrainSpec(HookSettings):
+    """One training run; the hook's settings are those of HookSettings (keyword-only).
 
     Args:
         world_size: DDP ranks.
         init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:PORT``.
         aggregators: gradq shard addresses; empty trains with plain fp32 allreduce.
-        config: the push grid when ``aggregators`` is set.
-        error_feedback: keep per-bucket residuals (None: the hook's default, off).
-        fallback: the hook's policy when the aggregator is unreachable (None: the hook's default, "error").
-        connect_timeout_s: how long the hook's first join waits for each aggregator shard.
         epochs, batch_size, learning_rate, seed: the usual.
         hidden: width of the MLP's hidden layers.
         dtype: parameter dtype ("float32", "bfloat16", "float16").
@@ -46,12 +38,6 @@ class TrainSpec:
         progress: rank 0 prints loss and accuracy after every epoch.
         job_id: the aggregator job; None leaves it to the hook (rank 0 draws
             one and every rank uses it).
-        security: TLS / token for the aggregator channels.
-        chunk_elements: largest round a bucket is cut into (the hook's); with
-            several shards, smaller chunks spread a small model over them.
-        host: this rank's host name for two-level aggregation (None: the launcher's).
-        host_grouping: "auto" (two-level where hosts hold several ranks) or "flat".
-        bit_policy, average_bits: the hook's (None: its defaults, "uniform" and 2.5).
         on_epoch: called on every rank after each epoch with (epoch, mean
             loss, test accuracy in percent), e.g. to print each rank's progress.
         on_trained: called with the result once training is done, before the
@@ -62,10 +48,6 @@ class TrainSpec:
     world_size: int
     init_method: str
     aggregators: tuple[str, ...] = ()
-    config: QuantConfig = field(default_factory=QuantConfig)
-    error_feedback: bool | None = None
-    fallback: str | None = None
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     epochs: int = 20
     batch_size: int = 32
     learning_rate: float = 0.05
@@ -75,12 +57,6 @@ class TrainSpec:
     device: str = "cpu"
     progress: bool = False
     job_id: str | None = None
-    security: ChannelSecurity | None = None
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-    host: str | None = None
-    host_grouping: str = "auto"
-    bit_policy: str | None = None
-    average_bits: float | None = None
     on_epoch: Callable[[int, float, float], None] | None = None
     on_trained: Callable[[TrainResult], None] | None = None
 
@@ -130,24 +106,7 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         device = torch.device(spec.device)
         model = DistributedDataParallel(_model(spec.hidden).to(device, dtype))
         if spec.aggregators:
-            # Settings left None keep the hook's own defaults: one set of defaults for every caller.
-            optional: dict[str, Any] = {
-                "error_feedback": spec.error_feedback,
-                "fallback": spec.fallback,
-                "job_id": spec.job_id,
-                "bit_policy": spec.bit_policy,
-                "average_bits": spec.average_bits,
-            }
-            state = GradqHookState(
-                list(spec.aggregators),
-                spec.config,
-                connect_timeout_s=spec.connect_timeout_s,
-                security=spec.security,
-                chunk_elements=spec.chunk_elements,
-                host=spec.host,
-                host_grouping=spec.host_grouping,
-                **{name: value for name, value in optional.items() if value is not None},
-            )
+            state = GradqHookState(list(spec.aggregators), job_id=spec.job_id, **spec.state_arguments())
             model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate, momentum=0.9)
         mine = np.arange(rank, len(y_train), spec.world_size)
