@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.apps.training import TrainResult, TrainSpec, train_digits
-from gradq.client.ddp.env import (
+from gradq.client.env import (
     DEFAULT_CONNECT_TIMEOUT_S,
     flag_type,
     parse_integer,

@@ -20,7 +20,7 @@ import ray.train
 from torch import nn
 
 from gradq.client.ddp import GradqHookState
-from gradq.client.ddp.env import HOOK_ENVIRONMENT
+from gradq.client.env import HOOK_ENVIRONMENT
 from gradq.client.integrations.registration import GradqIntegrationError, register_once, registered_state
 
 __all__ = ["GradqIntegrationError", "use_gradq"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gradq.client.ddp.env import quantized_scheme_names
+from gradq.client.env import quantized_scheme_names
 from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
