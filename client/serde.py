@@ -29,11 +29,26 @@ class PulledMean:
 
 
 def join_request(
-    job_id: str, rank: int, world_size: int, incarnation: str = "", ranks: int = 1, elastic: bool = False
+    job_id: str,
+    rank: int,
+    world_size: int,
+    incarnation: str = "",
+    ranks: int = 1,
+    elastic: bool = False,
+    job_ranks: int = 0,
 ) -> pb.JoinRequest:
-    """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ranks."""
+    """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
+
+    ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member.
+    """
     return pb.JoinRequest(
-        job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, ranks=ranks, elastic=elastic
+        job_id=job_id,
+        rank=rank,
+        world_size=world_size,
+        incarnation=incarnation,
+        ranks=ranks,
+        elastic=elastic,
+        job_ranks=job_ranks,
     )
 
 

@@ -55,8 +55,8 @@ class WorkerClient:
     Args:
         addresses: ``host:port`` of each shard (a single string for one).
         job_id: names the job; every rank of it uses the same id.
-        rank: this worker's rank, 0..world_size-1.
-        world_size: ranks in the job.
+        rank: this worker's member id, 0..world_size-1 (its rank, or its host's under two-level aggregation).
+        world_size: members in the job: its ranks, or its hosts under two-level aggregation (see ``ranks``).
         config: how buckets are quantized on the way out.
         error_feedback: keep a residual per bucket so quantization error is
             carried into the next step instead of lost (in the bucket's own
@@ -90,6 +90,10 @@ class WorkerClient:
             a live run's incarnation is adopted, ``world_size`` counts the
             members it starts with, and the Watch stream's membership news is
             read into ``world`` (see gradq.client.elastic).
+        job_ranks: the job's ranks in all (the launcher's world size, which
+            gradq serve --world-size counts): the ranks the ``world_size``
+            members stand for together. None: ``world_size``, one rank per member
+            (the aggregator then does not check that the members' ``ranks`` add up).
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class WorkerClient:
         ranks: int = 1,
         reconnect_timeout_s: float = 10.0,
         elastic: bool = False,
+        job_ranks: int | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -131,6 +136,13 @@ class WorkerClient:
             raise ValueError(f"chunk_elements={chunk_elements!r} is invalid; expected an integer >= 0 (0 never splits)")
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks={ranks!r} is invalid; expected an integer >= 1")
+        if job_ranks is not None and (
+            isinstance(job_ranks, bool) or not isinstance(job_ranks, int) or job_ranks < world_size
+        ):
+            raise ValueError(
+                f"job_ranks={job_ranks!r} is invalid; expected an integer >= world_size={world_size} (at least one "
+                f"rank per member) or None"
+            )
         if not reconnect_timeout_s > 0:
             raise ValueError(f"reconnect_timeout_s={reconnect_timeout_s} is invalid; expected > 0")
         if max_retries < 0:
@@ -140,6 +152,7 @@ class WorkerClient:
         self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
+        self.job_ranks = job_ranks
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
@@ -195,7 +208,7 @@ class WorkerClient:
 
     def _join_shard(self, shard: int, patience: float | None = None) -> None:
         request = serde.join_request(
-            self.job_id, self.rank, self.world_size, self.incarnation, self.ranks, self.elastic
+            self.job_id, self.rank, self.world_size, self.incarnation, self.ranks, self.elastic, self.job_ranks or 0
         )
         timeout = self.timeout_s if patience is None else patience
         try:

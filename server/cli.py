@@ -70,7 +70,15 @@ _HOST, _PORT = _SERVER.address.rsplit(":", 1)
 _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
     ("--host", "GRADQ_HOST", str, _HOST, "address to bind"),
     ("--port", "GRADQ_PORT", _port, int(_PORT), "port to bind; 0 picks a free one (see --port-file)"),
-    ("--world-size", "GRADQ_WORLD_SIZE", int, _POLICY.world_size, "ranks per job; 0 lets each job's first Join decide"),
+    (
+        "--world-size",
+        "GRADQ_WORLD_SIZE",
+        int,
+        _POLICY.world_size,
+        "ranks per job, as the launcher counts them (torchrun's WORLD_SIZE; under two-level aggregation a host's "
+        "ranks count, not the host); a job of other ranks is refused as a configuration mismatch. 0 lets each "
+        "job's first Join decide",
+    ),
     (
         "--round-timeout",
         "GRADQ_ROUND_TIMEOUT",
@@ -154,7 +162,14 @@ _OPTIONS: list[tuple[str, str, Callable[[str], Any], Any, str]] = [
         "jobs one client host may have started that the aggregator still holds (-1: --max-jobs); set it lower "
         "where untrusted hosts share the aggregator; past it, RESOURCE_EXHAUSTED",
     ),
-    ("--max-world-size", "GRADQ_MAX_WORLD_SIZE", int, _LIMITS.max_world_size, "largest world_size a Join may ask for"),
+    (
+        "--max-world-size",
+        "GRADQ_MAX_WORLD_SIZE",
+        int,
+        _LIMITS.max_world_size,
+        "largest job a Join may ask for, in ranks; it bounds a job's members, an elastic job's member ids and a "
+        "job's Watch streams too",
+    ),
     (
         "--job-idle-timeout",
         "GRADQ_JOB_IDLE_TIMEOUT",

@@ -308,9 +308,10 @@ class JobTable:
             )
         total = job_ranks or world_size
         if self.fixed_world_size and total != self.fixed_world_size:
-            hosts = f", {world_size} members standing for them" if total != world_size else ""
+            hosts = f", {_count(world_size, 'member')} standing for them" if total != world_size else ""
+            ranks = _count(total, "rank")
             raise FailedPreconditionError(
-                f"configuration mismatch: this job has {total} ranks (world_size from the launcher{hosts}) but "
+                f"configuration mismatch: this job has {ranks} (world_size from the launcher{hosts}) but "
                 f"gradq serve --world-size={self.fixed_world_size}; start the aggregator with --world-size="
                 f"{total} (or 0: each job's first Join decides), or launch {self.fixed_world_size} ranks"
             )
@@ -318,6 +319,11 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _check_job_id(job_id: str) -> None:

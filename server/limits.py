@@ -37,7 +37,8 @@ class ServiceLimits:
             and the table still knows. By default ``max_jobs`` (no limit of its
             own); set it lower where untrusted hosts share the aggregator, so one
             host inventing job ids cannot take the whole table from the others.
-        max_world_size: largest ``world_size`` a Join may ask for.
+        max_world_size: largest job a Join may ask for, in ranks (``job_ranks``); a
+            job's members, an elastic job's member ids and a job's Watch streams too.
         job_idle_timeout_s: a job with no Join, PushPull or Leave this long is
             forgotten (its rounds fail), so abandoned jobs do not pile up.
         max_memory_bytes: accumulators of open rounds, retained means, remembered

@@ -18,7 +18,8 @@ class RoundPolicy:
     """Operator's choices for every round on this aggregator.
 
     Args:
-        world_size: ranks per job; 0 lets each job's first Join decide.
+        world_size: ranks per job (a Join's ``job_ranks``: the launcher's world
+            size, not its members); 0 lets each job's first Join decide.
         round_timeout_s: a round not complete this long after its first
             contribution fails for every waiter, naming the missing ranks.
         partial_quorum: 0 for strict rounds; else a round at its deadline with at
