@@ -11,14 +11,13 @@ client certificate under mutual TLS).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradq.proto.transport import speaks_tls
+from gradq.server.env import HEALTHCHECK_ENVIRONMENT, flag_type, read_variable
 
 __all__ = ["is_serving", "main"]
 
@@ -81,11 +80,6 @@ def _why_no_answer(address: str, over_tls: bool) -> str:
     return "it accepts connections but did not answer the gRPC health check"
 
 
-def _path(env: str) -> Path | None:
-    value = os.environ.get(env)
-    return Path(value) if value else None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Check the address; exit status 0 if serving, 1 if not, 2 if the TLS settings are incomplete."""
     parser = argparse.ArgumentParser(
@@ -93,32 +87,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    try:
+        port, serves_tls = read_variable(None, "GRADQ_PORT"), read_variable(None, "GRADQ_TLS_CERT")
+        files = {name: read_variable(None, name) for name in HEALTHCHECK_ENVIRONMENT}
+    except ValueError as error:
+        parser.error(str(error))
     parser.add_argument(
         "address",
         nargs="?",
-        default=f"localhost:{os.environ.get('GRADQ_PORT') or 50051}",
+        default=f"localhost:{50051 if port is None else port}",
         help="host:port of the aggregator (default localhost:$GRADQ_PORT, else localhost:50051)",
     )
-    parser.add_argument(
-        "--ca",
-        type=Path,
-        default=_path("GRADQ_TLS_CA"),
-        help="PEM CA of the aggregator's certificate: check over TLS [env GRADQ_TLS_CA]",
-    )
-    parser.add_argument(
-        "--cert",
-        type=Path,
-        default=_path("GRADQ_TLS_CLIENT_CERT"),
-        help="PEM client certificate, for mutual TLS [env GRADQ_TLS_CLIENT_CERT]",
-    )
-    parser.add_argument(
-        "--key", type=Path, default=_path("GRADQ_TLS_CLIENT_KEY"), help="its PEM key [env GRADQ_TLS_CLIENT_KEY]"
-    )
+    for flag, env in (("--ca", "GRADQ_TLS_CA"), ("--cert", "GRADQ_TLS_CLIENT_CERT"), ("--key", "GRADQ_TLS_CLIENT_KEY")):
+        parser.add_argument(
+            flag, type=flag_type(env), default=files[env], help=f"{HEALTHCHECK_ENVIRONMENT[env]} [env {env}]"
+        )
     args = parser.parse_args(argv)
-    serves_tls = os.environ.get("GRADQ_TLS_CERT")
     if args.ca is None and serves_tls:
         parser.error(
-            f"GRADQ_TLS_CERT={serves_tls} says the aggregator serves TLS, but no CA is given; expected --ca PEM "
+            f"GRADQ_TLS_CERT={str(serves_tls)!r} says the aggregator serves TLS, but no CA is given; expected --ca PEM "
             "or GRADQ_TLS_CA=PEM, the CA that signed that certificate"
         )
     try:

@@ -1,0 +1,247 @@
+"""GRADQ_* environment variables of the aggregator: one table of names and meanings, one of parsers, one reader.
+
+`gradq serve` (server/cli.py) and its container health check
+(server/healthcheck.py) read their variables through ``read_variable`` only,
+with the same parsing a worker's variables get: unset or blank leaves the
+default, a value that cannot be parsed is refused as
+``NAME='value' is invalid; expected ...``, and a boolean is exactly one of
+1/true/yes/on or 0/false/no/off. A name means one thing on every side: the
+aggregator binds to GRADQ_BIND_HOST and reads its token table from
+GRADQ_TOKEN_TABLE, so a worker's GRADQ_HOST (its host group) and
+GRADQ_TOKEN_FILE (its one bearer token) exported in the same shell change
+nothing here. The server imports no client code (imports point qcore <- server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gradq.qcore import Scheme
+
+__all__ = [
+    "HEALTHCHECK_ENVIRONMENT",
+    "SERVE_ENVIRONMENT",
+    "SERVER_PARSERS",
+    "flag_type",
+    "parse_auto_flag",
+    "parse_flag",
+    "parse_port",
+    "read_variable",
+]
+
+# Variable -> what it sets, for `gradq serve` (its --help shows each beside its flag).
+SERVE_ENVIRONMENT = {
+    "GRADQ_BIND_HOST": "address to bind",
+    "GRADQ_PORT": "port to bind; 0 picks a free one (see --port-file)",
+    "GRADQ_WORLD_SIZE": "ranks per job, as the launcher counts them (torchrun's WORLD_SIZE; under two-level "
+    "aggregation a host's ranks count, not the host); a job of other ranks is refused as a configuration "
+    "mismatch. 0 lets each job's first Join decide",
+    "GRADQ_ROUND_TIMEOUT": "seconds from a round's first contribution until it fails for every waiter, naming the "
+    "missing ranks",
+    "GRADQ_PARTIAL_QUORUM": "0: strict rounds. N: at its deadline a round with >= N ranks completes over them "
+    "(response says partial)",
+    "GRADQ_RETURN_SCHEME": "grid of the mean sent back: 'same' as the pushes, 'fp16', 'fp32', or a scheme such as "
+    "per_channel_affine",
+    "GRADQ_RETURN_BITS": "bits of a quantized --return-scheme",
+    "GRADQ_SERVER_ERROR_FEEDBACK": "carry the re-quantization error of each bucket's mean into its next round: auto "
+    "(where the mean goes back on a uniform grid of 4 bits or fewer; without it such a mean is biased), true (any "
+    "quantized grid, the scaled sign's too) or false",
+    "GRADQ_RETAIN_STEPS": "completed steps kept so that retried pushes get their answer; older steps are stale",
+    "GRADQ_MAX_STEPS_AHEAD": "a new round's step may be at most this far past the job's newest completed step "
+    "(covers pipelining)",
+    "GRADQ_MAX_OPEN_ROUNDS": "rounds of one job in flight at once; past it, RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_MEMORY_BYTES": "budget for open rounds' fp32 accumulators, retained means and failures and server "
+    "error-feedback residuals (default: half the machine's memory); a push past it gets RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_JOB_MEMORY_BYTES": "the most of --max-memory-bytes one job may hold (-1: a quarter of it), so one job "
+    "cannot starve the others",
+    "GRADQ_MAX_JOBS": "jobs known at once; a Join for a new job past it is refused",
+    "GRADQ_MAX_JOBS_PER_PEER": "jobs one client host may have started that the aggregator still holds (-1: "
+    "--max-jobs); set it lower where untrusted hosts share the aggregator; past it, RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WORLD_SIZE": "largest job a Join may ask for, in ranks; it bounds a job's members, an elastic job's "
+    "member ids and a job's Watch streams too",
+    "GRADQ_JOB_IDLE_TIMEOUT": "seconds without a Join, PushPull or Leave after which a job is forgotten (its rounds "
+    "fail)",
+    "GRADQ_MAX_WAITING_PER_JOB": "PushPull calls of one job waiting for their rounds at once; past it, "
+    "RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WAITING_PER_PEER": "PushPull calls from one client host waiting at once; past it, RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WAITING_CALLS": "PushPull calls waiting at once in all (each holds no thread, ~25 KB); past it, "
+    "RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WATCHES": "Watch streams open at once (one per joined rank, no thread each): past it a rank's loss "
+    "is found at the round deadline",
+    "GRADQ_MAX_MESSAGE_BYTES": "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)",
+    "GRADQ_MAX_WORKERS": "threads that decode, accumulate and average pushes; a waiting PushPull holds none (it "
+    "waits on the event loop)",
+    "GRADQ_NON_FINITE": "a rank reporting NaN/Inf gradients: 'reject' fails the round for all, 'skip' returns "
+    "zeros marked skipped",
+    "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
+    "GRADQ_GRACE": "seconds rounds in flight get to finish after SIGTERM",
+    "GRADQ_EXIT_AFTER_JOBS": "stop gracefully and exit 0 once N jobs have finished (every rank of each has left, "
+    "e.g. a Compose cluster's one job); 0 serves until SIGTERM",
+    "GRADQ_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
+    "GRADQ_LOG_FORMAT": "'text' or 'json' (one JSON object per line, for log shippers)",
+    "GRADQ_PORT_FILE": "write the bound port to this file once serving",
+    "GRADQ_METRICS_PORT": "serve Prometheus metrics at http://HOST:PORT/metrics and a status page at /status",
+    "GRADQ_TLS_CERT": "PEM certificate chain: serve TLS (with --tls-key)",
+    "GRADQ_TLS_KEY": "PEM private key of --tls-cert",
+    "GRADQ_TLS_CLIENT_CA": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    "GRADQ_TOKEN_TABLE": "require 'authorization: Bearer <token>'; one token per line: 'TOKEN job=JOB [rank=RANK]' "
+    "scopes it to a job (JOB ending in '*': a job-id prefix) and a rank; 'TOKEN' or 'TOKEN RANK' leaves it any job",
+}
+
+# Variable -> what it sets, for the health check alone (it reads GRADQ_PORT and GRADQ_TLS_CERT of the table above).
+HEALTHCHECK_ENVIRONMENT = {
+    "GRADQ_TLS_CA": "PEM CA of the aggregator's certificate: check over TLS",
+    "GRADQ_TLS_CLIENT_CERT": "PEM client certificate, for mutual TLS",
+    "GRADQ_TLS_CLIENT_KEY": "its PEM key",
+}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_flag(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def parse_auto_flag(text: str) -> bool | None:
+    """``auto`` (None: the policy decides) or a boolean."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_flag(text)
+    except ValueError:
+        raise ValueError(f"expected auto or one of {', '.join(_TRUE + _FALSE)}") from None
+
+
+def parse_port(text: str) -> int:
+    """A TCP port, 0..65535 (0 picks a free one)."""
+    expected = "expected a port in 0..65535 (0 picks a free one)"
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(expected) from None
+    if not 0 <= port <= 65535:
+        raise ValueError(expected)
+    return port
+
+
+def _parse_integer(text: str) -> int:
+    """A whole number (the settings' dataclasses check its range and name the flag)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _parse_number(text: str) -> float:
+    """A finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number")
+    return value
+
+
+def _parse_text(text: str) -> str:
+    return text.strip()
+
+
+def _parse_return_scheme(text: str) -> Scheme | None:
+    """``same`` (None: the pushes' grid), ``fp16``, ``fp32`` or a scheme's name."""
+    if text.strip().lower() == "same":
+        return None
+    try:
+        return Scheme.parse({"fp16": "float16", "fp32": "float32"}.get(text.strip().lower(), text))
+    except ValueError:
+        names = ", ".join(scheme.name.lower() for scheme in Scheme)
+        raise ValueError(f"expected 'same', 'fp16', 'fp32' or a scheme: {names}") from None
+
+
+_INTEGERS = (
+    "GRADQ_WORLD_SIZE",
+    "GRADQ_PARTIAL_QUORUM",
+    "GRADQ_RETURN_BITS",
+    "GRADQ_RETAIN_STEPS",
+    "GRADQ_MAX_STEPS_AHEAD",
+    "GRADQ_MAX_OPEN_ROUNDS",
+    "GRADQ_MAX_MEMORY_BYTES",
+    "GRADQ_MAX_JOB_MEMORY_BYTES",
+    "GRADQ_MAX_JOBS",
+    "GRADQ_MAX_JOBS_PER_PEER",
+    "GRADQ_MAX_WORLD_SIZE",
+    "GRADQ_MAX_WAITING_PER_JOB",
+    "GRADQ_MAX_WAITING_PER_PEER",
+    "GRADQ_MAX_WAITING_CALLS",
+    "GRADQ_MAX_WATCHES",
+    "GRADQ_MAX_MESSAGE_BYTES",
+    "GRADQ_MAX_WORKERS",
+    "GRADQ_MAX_BUCKET_ELEMENTS",
+    "GRADQ_EXIT_AFTER_JOBS",
+)
+_NUMBERS = ("GRADQ_ROUND_TIMEOUT", "GRADQ_JOB_IDLE_TIMEOUT", "GRADQ_GRACE")
+_TEXTS = ("GRADQ_BIND_HOST", "GRADQ_NON_FINITE", "GRADQ_LOG_LEVEL", "GRADQ_LOG_FORMAT")
+_PATHS = (
+    "GRADQ_PORT_FILE",
+    "GRADQ_TLS_CERT",
+    "GRADQ_TLS_KEY",
+    "GRADQ_TLS_CLIENT_CA",
+    "GRADQ_TOKEN_TABLE",
+    *HEALTHCHECK_ENVIRONMENT,
+)
+
+# How each variable of SERVE_ENVIRONMENT and HEALTHCHECK_ENVIRONMENT is read (and its flag, through flag_type).
+SERVER_PARSERS: dict[str, Callable[[str], Any]] = {
+    **dict.fromkeys(_INTEGERS, _parse_integer),
+    **dict.fromkeys(_NUMBERS, _parse_number),
+    **dict.fromkeys(_TEXTS, _parse_text),
+    **dict.fromkeys(_PATHS, Path),
+    "GRADQ_PORT": parse_port,
+    "GRADQ_METRICS_PORT": parse_port,
+    "GRADQ_RETURN_SCHEME": _parse_return_scheme,
+    "GRADQ_SERVER_ERROR_FEEDBACK": parse_auto_flag,
+}
+
+
+def read_variable(environ: Mapping[str, str] | None, name: str) -> Any:
+    """The value of one of the server's variables, parsed; None when it is unset or blank.
+
+    Args:
+        environ: the variables (None: ``os.environ``).
+        name: a variable of SERVE_ENVIRONMENT or HEALTHCHECK_ENVIRONMENT, e.g. ``"GRADQ_PORT"``.
+
+    Raises:
+        ValueError: ``NAME='value' is invalid; expected ...``.
+    """
+    text = (os.environ if environ is None else environ).get(name, "")
+    if not text.strip():
+        return None
+    try:
+        return SERVER_PARSERS[name](text.strip())
+    except ValueError as error:
+        raise ValueError(f"{name}={text!r} is invalid; {error}") from None
+
+
+def flag_type(name: str) -> Callable[[str], Any]:
+    """An argparse ``type`` for the flag of variable ``name``: checked as the variable is, and said alike."""
+    parse = SERVER_PARSERS[name]
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid; {error}") from None
+
+    convert.__name__ = name.removeprefix("GRADQ_").lower()
+    return convert
