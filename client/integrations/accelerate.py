@@ -7,6 +7,10 @@ refused (handlers are looked up by exact class). What works is registering on
 the DistributedDataParallel object ``prepare`` returns (not on
 ``unwrap_model(model)``, which is the bare module), so ``use_gradq`` wraps the
 accelerator's ``prepare_model``, the step every ``prepare`` call takes for a model.
+Called after ``prepare`` it is too late: Accelerate keeps the bare modules it
+prepared (``accelerator._models``), not the DDP objects it returned, so there
+is nothing to register on, and ``use_gradq`` refuses instead of leaving them on
+plain allreduce.
 
 On CPU, two processes need ``accelerate launch --multi_gpu --num_processes 2``
 with ``Accelerator(cpu=True)``: ``--cpu --num_processes 2`` starts one.
@@ -18,6 +22,7 @@ import functools
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.ddp import GradqHookState
 from gradq.client.integrations.registration import GradqIntegrationError, register_once
@@ -40,8 +45,9 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
         The state, for ``stats()`` and ``close()``.
 
     Raises:
-        GradqIntegrationError: ``accelerator`` has no ``prepare_model``, or
-            ``use_gradq`` was already called on it. Later, ``prepare`` raises it
+        GradqIntegrationError: ``accelerator`` has no ``prepare_model``,
+            ``use_gradq`` was already called on it, or ``prepare`` already
+            wrapped a model in DDP (call ``use_gradq`` before it). Later, ``prepare`` raises it
             when the model it returns is not a DistributedDataParallel (a
             single process, or no parameter requiring gradients).
         ValueError: ``state`` is None and a GRADQ_* variable is unset or invalid.
@@ -55,6 +61,7 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
         raise GradqIntegrationError(
             "use_gradq(accelerator) was already called on this accelerator; call it once, before prepare"
         )
+    _refuse_wrapped_models(accelerator)
     hook_state = state if state is not None else GradqHookState.from_env()
 
     @functools.wraps(original)
@@ -74,3 +81,21 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
     accelerator.prepare_model = prepare_model
     setattr(accelerator, _MARK, hook_state)
     return hook_state
+
+
+def _refuse_wrapped_models(accelerator: Any) -> None:
+    """Raise GradqIntegrationError if ``prepare`` already returned a model in DDP: it trains on plain allreduce."""
+    # prepare_model marks the model it returns: a kept module it returned as it is (evaluation mode, one
+    # process) is marked, one it returned wrapped is not. A DDP object is kept when it is prepared again.
+    wrapped = [
+        model
+        for model in getattr(accelerator, "_models", ())
+        if isinstance(model, DistributedDataParallel) or not getattr(model, "_is_accelerate_prepared", False)
+    ]
+    if wrapped and getattr(accelerator, "num_processes", 1) > 1:
+        raise GradqIntegrationError(
+            f"use_gradq(accelerator) was called after accelerator.prepare wrapped "
+            f"{', '.join(type(model).__name__ for model in wrapped)} in DistributedDataParallel: that model already "
+            "trains with plain allreduce, and Accelerate keeps only the module inside, so gradq has no DDP model to "
+            "register on; call use_gradq(accelerator) before accelerator.prepare(model, ...)"
+        )

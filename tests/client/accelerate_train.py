@@ -1,6 +1,7 @@
-"""Accelerate with gradq: `accelerate launch --multi_gpu --num_processes 2 accelerate_train.py STEPS OUT_DIR`.
+"""Accelerate with gradq: `accelerate launch --multi_gpu --num_processes 2 accelerate_train.py STEPS OUT_DIR [late]`.
 
 Configured by GRADQ_* like any worker; each rank writes what it saw to OUT_DIR/rank<N>.json.
+With ``late``, use_gradq is called after prepare (too late): each rank reports the error it raised instead.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradq.client.integrations.accelerate import use_gradq
+from gradq.client.integrations.accelerate import GradqIntegrationError, use_gradq
 
 
-def main(steps: int, out_dir: Path) -> None:
+def main(steps: int, out_dir: Path, late: bool) -> None:
     """Train y = tanh(x @ w) for ``steps`` steps on this rank's half of the data; report losses and weights."""
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -26,10 +27,20 @@ def main(steps: int, out_dir: Path) -> None:
     inputs = torch.randn(512, 16, generator=generator)
     targets = torch.tanh(inputs @ torch.randn(16, 1, generator=generator))
     accelerator = Accelerator(cpu=True)
-    state = use_gradq(accelerator)  # the one line: prepare now returns a model reducing through gradq
+    # A model prepared for evaluation only gets no DDP: it does not make use_gradq too late.
+    accelerator.prepare_model(nn.Linear(16, 1), evaluation_mode=True)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=False)
+    if late:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        try:
+            use_gradq(accelerator)
+        except GradqIntegrationError as error:
+            (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps({"error": str(error)}))
+        accelerator.wait_for_everyone()
+        return
+    state = use_gradq(accelerator)  # the one line: prepare now returns a model reducing through gradq
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses: list[float] = []
     batches = iter(loader)
@@ -56,4 +67,4 @@ def main(steps: int, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] == ["late"])

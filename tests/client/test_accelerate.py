@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dependencies import require_module
@@ -21,7 +22,8 @@ SCRIPT = Path(__file__).with_name("accelerate_train.py")
 STEPS = 8
 
 
-def test_accelerate_launch_trains_through_gradq(aggregator: AggregatorServer, tmp_path: Path) -> None:
+def launch_two_ranks(aggregator: AggregatorServer, out_dir: Path, *extra: str) -> list[dict[str, Any]]:
+    """Run accelerate_train.py on 2 CPU processes against ``aggregator``; what each rank reported."""
     require_module("accelerate", "accelerate")
     env = {
         **os.environ,
@@ -32,10 +34,14 @@ def test_accelerate_launch_trains_through_gradq(aggregator: AggregatorServer, tm
     # --multi_gpu with Accelerator(cpu=True): on CPU, `--cpu --num_processes 2` would start one process.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", str(free_port()), str(SCRIPT), str(STEPS), str(tmp_path)]
+    launch += ["--main_process_port", str(free_port()), str(SCRIPT), str(STEPS), str(out_dir), *extra]
     done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_accelerate_launch_trains_through_gradq(aggregator: AggregatorServer, tmp_path: Path) -> None:
+    ranks = launch_two_ranks(aggregator, tmp_path)
     for report in ranks:
         assert (report["model"], report["mode"], report["steps"]) == ("DistributedDataParallel", "gradq", STEPS)
         assert report["losses"][-1] < report["losses"][0]
@@ -48,6 +54,18 @@ def test_accelerate_launch_trains_through_gradq(aggregator: AggregatorServer, tm
     assert aggregator.table.counters["contributions"] == 2 * pushes
     assert aggregator.table.counters["rounds_failed"] == 0
     assert aggregator.table.active_jobs() == {}  # both ranks left
+
+
+def test_use_gradq_after_prepare_is_refused_on_every_rank(aggregator: AggregatorServer, tmp_path: Path) -> None:
+    ranks = launch_two_ranks(aggregator, tmp_path, "late")
+    for report in ranks:
+        assert report["error"] == (
+            "use_gradq(accelerator) was called after accelerator.prepare wrapped Sequential in "
+            "DistributedDataParallel: that model already trains with plain allreduce, and Accelerate keeps only the "
+            "module inside, so gradq has no DDP model to register on; call use_gradq(accelerator) before "
+            "accelerator.prepare(model, ...)"
+        )
+    assert aggregator.table.counters["contributions"] == 0
 
 
 def test_a_single_process_gets_a_clear_error() -> None:
