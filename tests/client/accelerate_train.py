@@ -34,10 +34,12 @@ def main(steps: int, out_dir: Path, late: bool) -> None:
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=False)
     if late:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        refusal = None  # use_gradq returning here would leave the model on plain allreduce
         try:
             use_gradq(accelerator)
         except GradqIntegrationError as error:
-            (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps({"error": str(error)}))
+            refusal = str(error)
+        (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps({"error": refusal}))
         accelerator.wait_for_everyone()
         return
     state = use_gradq(accelerator)  # the one line: prepare now returns a model reducing through gradq
