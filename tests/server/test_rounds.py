@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
-from round_calls import contribute
+from round_calls import contribute, push, wait
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
-from gradq.server.errors import FailedPreconditionError, InvalidArgumentError, RoundAbortedError
+from gradq.server.errors import CancelledError, FailedPreconditionError, InvalidArgumentError, RoundAbortedError
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundResult, RoundTable
 
@@ -26,20 +24,14 @@ def contribute_all(
     bucket: int = 0,
     config: QuantConfig = EXACT,
 ) -> dict[int, RoundResult | Exception]:
-    """Each rank contributes from its own thread; returns rank -> result or exception."""
+    """Each rank pushes, then each waits for its answer; returns rank -> result or exception."""
+    tickets = {rank: push(table, "job", step, bucket, rank, encode(make(rank), config)) for rank in ranks}
     results: dict[int, RoundResult | Exception] = {}
-
-    def run(rank: int) -> None:
+    for rank, ticket in tickets.items():
         try:
-            results[rank] = contribute(table, "job", step, bucket, rank, encode(make(rank), config))
+            results[rank] = wait(table, ticket)
         except Exception as error:  # collected and asserted on by the caller
             results[rank] = error
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in ranks]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
     return results
 
 
@@ -63,16 +55,9 @@ def test_mean_of_integer_gradients_is_exact() -> None:
 def test_duplicate_contribution_is_counted_once_and_answered_the_same() -> None:
     table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
     ones = encode(np.ones(8, np.float32), EXACT)
-    answers: list[RoundResult] = []
-    threads = [
-        threading.Thread(target=lambda: answers.append(contribute(table, "job", 0, 0, 0, ones))) for _ in range(3)
-    ]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.2)
-    answers.append(contribute(table, "job", 0, 0, 1, encode(np.full(8, 3.0, np.float32), EXACT)))
-    for thread in threads:
-        thread.join(timeout=10)
+    resent = [push(table, "job", 0, 0, 0, ones) for _ in range(3)]  # rank 0 sends the same bucket three times
+    answers = [contribute(table, "job", 0, 0, 1, encode(np.full(8, 3.0, np.float32), EXACT))]
+    answers += [wait(table, ticket) for ticket in resent]
     retry = contribute(table, "job", 0, 0, 0, ones)  # after completion: same answer, not a new round
     assert len(answers) == 4
     for answer in [*answers, retry]:
@@ -82,14 +67,18 @@ def test_duplicate_contribution_is_counted_once_and_answered_the_same() -> None:
 
 
 def test_missing_rank_fails_round_at_deadline_naming_it() -> None:
-    table = joined_table(3, round_timeout_s=0.5)
-    started = time.monotonic()
-    results = contribute_all(table, [0, 2], lambda r: np.ones(4, np.float32))
-    elapsed = time.monotonic() - started
-    assert 0.45 <= elapsed < 2.0
-    for result in results.values():
-        assert isinstance(result, RoundAbortedError)
-        assert "ranks [1] missing" in str(result)
+    clock = [0.0]
+    table = RoundTable(RoundPolicy(round_timeout_s=0.5), clock=lambda: clock[0])
+    for rank in range(3):
+        table.join("job", rank, 3)
+    tickets = [push(table, "job", 0, 0, rank, encode(np.ones(4, np.float32), EXACT)) for rank in (0, 2)]
+    clock[0] = 0.49
+    with pytest.raises(CancelledError):
+        wait(table, tickets[0], patience=0.001)  # before the deadline the round waits for rank 1
+    clock[0] = 0.5
+    for ticket in tickets:
+        with pytest.raises(RoundAbortedError, match=r"ranks \[1\] missing"):
+            wait(table, ticket)
     assert table.in_flight() == 0
 
 
@@ -106,14 +95,11 @@ def test_partial_policy_completes_over_quorum_and_says_so() -> None:
 
 def test_numel_mismatch_is_rejected_and_round_stays_intact() -> None:
     table = joined_table(2, round_timeout_s=5.0, return_scheme=Scheme.FLOAT32)
-    waiter = threading.Thread(target=lambda: contribute(table, "job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT)))
-    waiter.start()
-    while table.in_flight() == 0:  # the 6-element push must open the round first
-        time.sleep(0.01)
+    first = push(table, "job", 0, 0, 0, encode(np.ones(6, np.float32), EXACT))  # opens the round: 6 elements
     with pytest.raises(InvalidArgumentError, match=r"tensor.numel=5 does not match numel=6"):
         contribute(table, "job", 0, 0, 1, encode(np.ones(5, np.float32), EXACT))
     result = contribute(table, "job", 0, 0, 1, encode(np.full(6, 3.0, np.float32), EXACT))
-    waiter.join(timeout=5)
+    assert wait(table, first) is result
     np.testing.assert_array_equal(decode(result.mean), np.full(6, 2.0, np.float32))
 
 
@@ -151,24 +137,15 @@ def test_join_rejects_bad_world_and_rank() -> None:
 
 
 def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
-    table = joined_table(2, round_timeout_s=30.0)
-    outcome: list[Exception] = []
-
-    def push() -> None:
-        try:
-            contribute(table, "job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
-        except Exception as error:  # asserted below
-            outcome.append(error)
-
-    waiter = threading.Thread(target=push)
-    waiter.start()
-    while table.in_flight() == 0:  # rank 0's push must open the round first
-        time.sleep(0.01)
-    started = time.monotonic()
+    clock = [0.0]
+    table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: clock[0])
+    for rank in range(2):
+        table.join("job", rank, 2)
+    ticket = push(table, "job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
     table.leave("job", 1)
-    waiter.join(timeout=5)
-    assert time.monotonic() - started < 2.0
-    assert isinstance(outcome[0], RoundAbortedError) and "rank 1 left the job" in str(outcome[0])
+    assert ticket.round.done.is_set()  # closed by the Leave: the clock never reached the deadline
+    with pytest.raises(RoundAbortedError, match="rank 1 left the job"):
+        wait(table, ticket)
 
 
 def test_mean_returned_on_pushers_grid_by_default() -> None:
