@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from conditions import wait_until
 from conftest import StartAggregator
 
 from gradq.client import AggregationError, WorkerClient
@@ -61,13 +62,9 @@ def host(server: AggregatorServer) -> Iterator[Host]:
 
 
 def wait_for_world(client: WorkerClient, done: Callable[[JobWorld], bool], timeout_s: float = 5.0) -> JobWorld:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        world = client.world
-        if world is not None and done(world):
-            return world
-        time.sleep(0.01)
-    raise AssertionError(f"the Watch stream never announced it; last: {client.world}")
+    wait_until(lambda: client.world is not None and done(client.world), "the Watch stream to announce it", timeout_s)
+    assert client.world is not None
+    return client.world
 
 
 def test_members_get_the_lowest_free_ids_and_the_live_runs_incarnation(host: Host) -> None:
@@ -97,14 +94,16 @@ def test_elastic_and_fixed_joins_do_not_mix(host: Host, server: AggregatorServer
     assert "rank=4294967295 (any) is only valid in an elastic Join" in (refused.value.details() or "")
 
 
-def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(host: Host) -> None:
+def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(
+    host: Host, server: AggregatorServer
+) -> None:
     first, second = host(), host()
     ones = np.ones(8, np.float32)
     with ThreadPoolExecutor(2) as pool:
         both = [pool.submit(client.push_pull, 0, 0, ones * (client.rank + 1)) for client in (first, second)]
         assert [f.result(timeout=10).tolist() for f in both] == [[1.5] * 8] * 2
     waiting = ThreadPoolExecutor(1).submit(first.push_pull, 1, 0, ones)
-    time.sleep(0.3)
+    wait_until(lambda: server.table.in_flight() == 1, "member 0's push to open step 1's round")
     assert not waiting.done()
     lost_at = time.monotonic()
     second._watches[0].cancel()  # its Watch ends without a Leave: the aggregator takes it for lost
@@ -244,9 +243,8 @@ def test_membership_changes_are_counted_in_the_metrics(start_aggregator: StartAg
     for member in members:
         member.join()
     members[1]._watches[0].cancel()  # lost
-    deadline = time.monotonic() + 5
-    while (counts := _membership(server.metrics_port)).get("rank_lost", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    port = server.metrics_port
+    counts = wait_until(lambda: (found := _membership(port)).get("rank_lost", 0) >= 1 and found, "the loss counted")
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as answer:
         members_training = answer.read().decode()
     for member in members:

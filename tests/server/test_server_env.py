@@ -6,12 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from conditions import wait_until
 
 from gradq.client import WorkerClient
 from gradq.server import healthcheck
@@ -148,11 +148,12 @@ def serve_with_worker_variables(tmp_path: Path) -> Iterator[int]:
     }
     process = subprocess.Popen([sys.executable, "-m", "gradq.server"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline, "gradq serve did not start"
-            time.sleep(0.05)
+        wait_until(
+            lambda: process.poll() is not None or (port_file.exists() and port_file.read_text().strip()),
+            "gradq serve to write its port",
+            60,
+        )
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
         yield int(port_file.read_text())
     finally:
         process.terminate()

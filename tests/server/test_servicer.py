@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pytest
+from conditions import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -131,10 +131,7 @@ def test_round_state_errors_are_failed_precondition(
 
 
 def wait_for_round(server: AggregatorServer) -> None:
-    deadline = time.monotonic() + 5
-    while server.table.in_flight() == 0:
-        assert time.monotonic() < deadline, "the first push never opened its round"
-        time.sleep(0.01)
+    wait_until(lambda: server.table.in_flight() > 0, "the first push to open its round")
 
 
 def test_numel_mismatch_is_invalid_argument(
@@ -267,9 +264,7 @@ def test_watch_streams_are_refused_without_a_join_and_past_their_caps() -> None:
             stream.cancel()
         # A watch that ends while its rank is still joined loses it: the next round fails at once.
         stub.Join(pb.JoinRequest(job_id="w", rank=1, world_size=2), timeout=5)
-        deadline = time.monotonic() + 5
-        while not any(job.members.lost for job in server.table.jobs.all()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any(job.members.lost for job in server.table.jobs.all()), "rank 0 to be lost")
         tensor = tensor_to_proto(encode(np.ones(4, np.float32), QuantConfig()))
         request = pb.PushPullRequest(job_id="w", step=0, bucket=0, rank=1, tensor=tensor)
         with pytest.raises(grpc.RpcError) as lost:
