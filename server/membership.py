@@ -188,9 +188,13 @@ class Membership:
         """A member gone leaves the rounds to the others (a formed elastic job), instead of closing them short."""
         return self.elastic and self.formed
 
-    def blocking_loss(self) -> tuple[int, str] | None:
-        """A lost member no round can complete without (a fixed job's, lowest first), and why; None if none."""
-        if not self.lost:
+    def blocking_loss(self, quorum: int) -> tuple[int, str] | None:
+        """A lost member no round can complete without, lowest first, and why; None if none.
+
+        A fixed job's lost member blocks every round, unless a partial quorum
+        (--partial-quorum, 0: none) may close rounds without it.
+        """
+        if not self.lost or quorum:
             return None
         rank = min(self.lost)
         return rank, self.lost[rank]

@@ -247,8 +247,8 @@ class RoundTable:
                 self.budget.adjust(rnd.charged, 0, job.memory)  # a done round's charge is final
                 rnd.charged = 0
                 rnd = None
-            loss = job.members.blocking_loss()
-            if loss and not self.policy.partial_quorum and (rnd is None or not rnd.done.is_set()):
+            loss = job.members.blocking_loss(self.policy.partial_quorum)
+            if loss and (rnd is None or not rnd.done.is_set()):
                 raise RoundAbortedError(
                     f"round (job={job_id!r}, step={step}, bucket={bucket}) cannot complete: rank {loss[0]} was lost "
                     f"({loss[1]}); restart the job (a new incarnation) or rejoin that rank"
