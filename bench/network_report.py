@@ -12,7 +12,7 @@ import netns
 from cpu_busy import CORES
 
 from gradq.client.chunks import chunk_bounds, chunk_key, shard_for, slow_link_chunk_elements
-from gradq.client.ddp.host_groups import piece_bounds
+from gradq.client.session.host_groups import piece_bounds
 from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [

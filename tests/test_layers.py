@@ -21,7 +21,11 @@ CASES = [
     ("gradq.client.sending", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     # the hook loads torch on first use
     ("gradq.client.ddp", ("torch", "gradq.server", "gradq.client.apps", "gradq.client.integrations")),
-    ("gradq.client.ddp.env", ("torch", "gradq.server", "gradq.client.apps")),
+    ("gradq.client.env", ("torch", "gradq.server", "gradq.client.apps")),
+    # the configuration is checked (and pickled to other processes) without torch
+    ("gradq.client.config", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
+    # the session is torch's side of the client; it never reaches up into an adapter
+    ("gradq.client.session", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
     # `gradq worker` checks its settings and its aggregator before it pays for torch.
     ("gradq.client.apps.cluster", ("torch", "gradq.server")),
     ("gradq.client.integrations.accelerate", ("gradq.server", "accelerate", "transformers")),

@@ -1,7 +1,7 @@
 """The torch adapter over the numpy client: the DDP comm hook, its lifecycle, checkpoints and allgather baselines.
 
 The hook's names load torch on first use, not on import: `gradq worker` reads
-its settings through ``gradq.client.ddp.env`` before it pays for torch.
+its settings through ``gradq.client.env`` before it pays for torch.
 """
 
 from typing import TYPE_CHECKING, Any

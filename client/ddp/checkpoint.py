@@ -1,43 +1,46 @@
 """GradqHookState.state_dict() / load_state_dict(): step, grid and error-feedback residuals, checked on the way in.
 
-The residuals are saved per parameter (see gradq.client.ddp.residuals), so a
+The residuals are saved per parameter (see gradq.client.session.residuals), so a
 resume puts each back on its own parameter whatever DDP's bucket layout is then.
+The format is the one gradq has always written, so older checkpoints load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from gradq.client.config import GradqConfig
 from gradq.qcore import QuantConfig
 
-if TYPE_CHECKING:
-    from gradq.client.ddp.hook import GradqHookState
-
-__all__ = ["checkpoint_of", "resume_from"]
+__all__ = ["checkpoint_of", "read_checkpoint"]
 
 
-def checkpoint_of(state: GradqHookState) -> dict[str, Any]:
+def checkpoint_of(step: int, config: GradqConfig, residuals: dict[str, torch.Tensor]) -> dict[str, Any]:
     """``GradqHookState.state_dict()``: step, config (plain values), error_feedback and residuals."""
-    config = state.config
+    quant = config.quant
     return {
-        "step": state.step,
+        "step": step,
         "config": {
-            "scheme": config.scheme.name.lower(),
-            "bits": config.bits,
-            "channel_size": config.channel_size,
-            "rounding": config.rounding.name.lower(),
-            "seed": config.seed,
+            "scheme": quant.scheme.name.lower(),
+            "bits": quant.bits,
+            "channel_size": quant.channel_size,
+            "rounding": quant.rounding.name.lower(),
+            "seed": quant.seed,
         },
-        "error_feedback": state.error_feedback,
-        "residuals": state._residuals.state_dict(state),
+        "error_feedback": config.error_feedback,
+        "residuals": residuals,
     }
 
 
-def resume_from(state: GradqHookState, checkpoint: Mapping[str, Any]) -> None:
-    """``GradqHookState.load_state_dict()``: check ``checkpoint``, then take its step, config and residuals."""
-    if state.mode is not None:
-        raise RuntimeError("load_state_dict() came after the first backward; call it before training starts")
+def read_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[int, QuantConfig, bool, Mapping[str, Any]]:
+    """Check ``GradqHookState.state_dict()``'s output: (step, grid, error_feedback, residual pieces).
+
+    Raises:
+        ValueError: a key is missing or holds a bad value, named in the message.
+    """
     missing = sorted({"step", "config", "error_feedback", "residuals"} - set(checkpoint))
     if missing:
         raise ValueError(f"state_dict lacks {', '.join(missing)}; expected the output of GradqHookState.state_dict()")
@@ -50,5 +53,4 @@ def resume_from(state: GradqHookState, checkpoint: Mapping[str, Any]) -> None:
     residuals = checkpoint["residuals"]
     if not isinstance(residuals, Mapping):
         raise ValueError(f"state_dict['residuals'] is {type(residuals).__name__}; expected a mapping of name -> tensor")
-    state._residuals.load_state_dict(residuals)
-    state.step, state.config, state.error_feedback = step, config, bool(checkpoint["error_feedback"])
+    return step, config, bool(checkpoint["error_feedback"]), residuals

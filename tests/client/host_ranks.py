@@ -25,6 +25,7 @@ class RankRun:
     bytes_sent: int
     residuals: dict[str, np.ndarray] = field(default_factory=dict)
     step: int = 0
+    bits: tuple[int, ...] = ()  # the distinct bits of the adaptive policy's plans (() under the uniform one)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class HostJob:
     host_grouping: str = "auto"
     pieces: int = 1  # parameters of the probe, each in its own bucket when > 1
     checkpoints: tuple[dict[str, object], ...] | None = None  # per rank, from a previous job's RankRun
+    bit_policy: str = "uniform"
+    average_bits: float = 2.5
 
 
 def run_rank(rank: int, job: HostJob, gradients: list[list[np.ndarray]], queue: mp.SimpleQueue) -> None:
@@ -146,7 +149,14 @@ def train_with_ddp_options(
         model = DistributedDataParallel(
             nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2)), static_graph=static_graph
         )
-        state = GradqHookState(job.aggregator, job.config, error_feedback=job.error_feedback, job_id=job.job_id)
+        state = GradqHookState(
+            job.aggregator,
+            job.config,
+            error_feedback=job.error_feedback,
+            job_id=job.job_id,
+            bit_policy=job.bit_policy,
+            average_bits=job.average_bits,
+        )
         model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(rank)
@@ -172,6 +182,7 @@ def train_with_ddp_options(
                 0,
                 {},
                 state.step,
+                planned_bits(state),
             )
         )
         state.close()
@@ -179,6 +190,13 @@ def train_with_ddp_options(
     finally:
         dist.destroy_process_group()
     os._exit(0)  # see ddp_probe.reduced_gradients
+
+
+def planned_bits(state: GradqHookState) -> tuple[int, ...]:
+    """The distinct bits the adaptive policy gave this rank's bucket pieces."""
+    session = state.session
+    assert session is not None
+    return tuple(sorted({piece.config.bits for _, pieces in session.plans._plans.values() for _, piece in pieces}))
 
 
 def run_with_ddp_options(job: HostJob, batches: tuple[int, ...], static_graph: bool = False) -> list[RankRun]:

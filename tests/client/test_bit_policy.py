@@ -90,7 +90,8 @@ def test_an_adaptive_ddp_model_pushes_its_norm_and_biases_on_eight_bits_through_
             losses.append(float(loss.detach()))
         job = aggregator.table.jobs.all()[0]
         bits = sorted({int(str(grid[1])) for grid in job.grids.values()})
-        plan = [piece for _, pieces in state._plans._plans.values() for _, piece in pieces]
+        assert state.session is not None
+        plan = [piece for _, pieces in state.session.plans._plans.values() for _, piece in pieces]
     finally:
         state.close()
     assert bits == [2, 8] or bits == [2, 4, 8]

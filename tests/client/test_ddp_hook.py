@@ -120,12 +120,23 @@ def test_state_pickles_without_channels_or_groups() -> None:
 
 
 def test_a_state_pickled_before_newer_fields_restores_their_defaults() -> None:
-    state = GradqHookState("a:1", QuantConfig(bits=8), chunk_elements=4096, max_in_flight=None)
-    old = state.__getstate__()
-    del old["chunk_elements"], old["max_in_flight"]
+    # What the first release pickled: the constructor's arguments as slots, and the step.
+    old = {
+        "addresses": ["a:1"],
+        "config": QuantConfig(bits=8),
+        "error_feedback": True,
+        "fallback": "error",
+        "job_id": None,
+        "timeout_s": 60.0,
+        "connect_timeout_s": 10.0,
+        "security": None,
+        "step": 7,
+    }
     restored = GradqHookState.__new__(GradqHookState)
     restored.__setstate__(old)
     assert restored.chunk_elements == DEFAULT_CHUNK_ELEMENTS and restored.max_in_flight == 2
+    assert restored.step == 7 and restored.timeout_s == 60.0 and restored.error_feedback
+    assert restored.config == QuantConfig(bits=8) and restored.addresses == ["a:1"]
 
 
 @pytest.mark.parametrize(

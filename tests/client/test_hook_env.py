@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradq.client.ddp import GradqHookState
-from gradq.client.ddp.env import DEFAULT_CONNECT_TIMEOUT_S, HOOK_ENVIRONMENT, HOOK_PARSERS, hook_arguments_from_env
+from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, HOOK_ENVIRONMENT, HOOK_PARSERS, hook_arguments_from_env
 from gradq.qcore import QuantConfig, Scheme
 
 QUANTIZED = "per_tensor_affine, per_tensor_symmetric, per_channel_affine, per_channel_symmetric, per_channel_sign"

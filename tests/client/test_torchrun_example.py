@@ -64,7 +64,11 @@ def aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aggregator]
 
 
 def torchrun(
-    aggregator: Aggregator, job_id: str, launcher: tuple[str, ...] = (), script: tuple[str, ...] = ()
+    aggregator: Aggregator,
+    job_id: str,
+    launcher: tuple[str, ...] = (),
+    script: tuple[str, ...] = (),
+    succeeds: bool = True,
 ) -> tuple[list[tuple[str, ...]], str]:
     """Run the example on 2 ranks; returns rank 0's "attempt" lines (parsed) and torchrun's stderr."""
     env = {
@@ -88,7 +92,7 @@ def torchrun(
         *script,
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert (done.returncode == 0) == succeeds, done.stderr[-4000:]
     return FINISHED.findall(done.stdout), done.stderr
 
 
@@ -112,3 +116,36 @@ def test_an_elastic_restart_with_a_killed_worker_completes(aggregator: Aggregato
     assert len(finished) == 1
     assert_trained(finished[0], 1, "torchrun-elastic")
     assert "torchrun-elastic" not in aggregator.joined()
+
+
+@pytest.fixture(scope="module")
+def two_rank_aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aggregator]:
+    """`gradq serve --world-size 2`: the world size counts ranks, as torchrun's --nproc_per_node does."""
+    log = tmp_path_factory.mktemp("fixed-world") / "serve.log"
+    with log.open("w") as sink:
+        process, port = spawn_aggregator("--log-level", "INFO", "--world-size", "2", stderr=sink)
+    try:
+        yield Aggregator(f"127.0.0.1:{port}", log)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_serve_world_size_counts_the_ranks_of_a_two_level_host(two_rank_aggregator: Aggregator) -> None:
+    # One host of 2 ranks joins as one member standing for 2 ranks: --world-size 2 is that job.
+    finished, _ = torchrun(two_rank_aggregator, "torchrun-world-2")
+    assert len(finished) == 1
+    assert_trained(finished[0], 0, "torchrun-world-2")
+
+
+def test_a_world_size_mismatch_is_named_as_one(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        process, port = spawn_aggregator("--log-level", "INFO", "--world-size", "4", stderr=sink)
+    try:
+        _, stderr = torchrun(Aggregator(f"127.0.0.1:{port}", log), "torchrun-world-4", succeeds=False)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "unreachable" not in stderr
+    assert "refused the Join" in stderr and "--world-size=4" in stderr and "2" in stderr, stderr[-3000:]

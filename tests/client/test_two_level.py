@@ -147,3 +147,24 @@ def test_static_graph_in_two_level(aggregator: AggregatorServer) -> None:
     assert [run.step for run in runs] == [4, 4, 4, 4]
     for run in runs:
         np.testing.assert_array_equal(run.reduced[0], runs[0].reduced[0])
+
+
+def test_adaptive_bits_compose_with_two_level(aggregator: AggregatorServer) -> None:
+    """The adaptive policy splits each bucket at parameter bounds; two-level then cuts each run per host rank."""
+    runs = host_ranks.run_with_ddp_options(
+        job(
+            aggregator,
+            (0, 0, 1, 1),
+            "adaptive-two-level",
+            config=QuantConfig(bits=2),
+            bit_policy="adaptive",
+            average_bits=4.0,
+            error_feedback=True,
+        ),
+        (4, 4, 4, 4),
+    )
+    assert len(runs) == 4 and all(run.host[4] == 2 for run in runs)  # two-level, two pieces per run
+    assert [run.step for run in runs] == [4, 4, 4, 4]
+    for run in runs:  # every rank applied the same means
+        np.testing.assert_array_equal(run.reduced[0], runs[0].reduced[0])
+        assert run.bits == runs[0].bits and len(run.bits) >= 2 and run.bits[0] == 2, run.bits

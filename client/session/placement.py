@@ -1,11 +1,10 @@
-"""Where the DDP hook quantizes a bucket: on its device (the torch codec) or on the host (numpy).
+"""Where a session quantizes a tensor: on its device (the torch codec) or on the host (numpy).
 
 The arithmetic lives in ``gradq.qcore.torch_codec`` (the codecs' torch twins,
-byte-identical to numpy); here the hook's choice becomes the bucket it pushes,
+byte-identical to numpy); here the configured codec becomes the tensor pushed,
 the buffer its mean is decoded into, and the stream the sender thread works on.
 """
 
-# No `from __future__ import annotations`: the hook module is imported by DDP, which reads real types.
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
@@ -13,10 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CODECS", "bucket_and_output", "on_callers_stream", "quantizes_on_device"]
-
-# "auto": the torch codec for buckets on an accelerator, numpy for CPU buckets.
-CODECS = ("auto", "torch", "numpy")
+__all__ = ["bucket_and_output", "on_callers_stream", "quantizes_on_device"]
 
 
 def quantizes_on_device(device: torch.device, codec: str) -> bool:
@@ -25,7 +21,7 @@ def quantizes_on_device(device: torch.device, codec: str) -> bool:
 
 
 def bucket_and_output(buffer: torch.Tensor, codec: str) -> tuple[Any, Any]:
-    """(what to push, where its mean lands) for a DDP bucket buffer.
+    """(what to push, where its mean lands) for a flat tensor (a DDP bucket's buffer).
 
     The torch codec pushes the buffer itself and decodes into it when it is
     fp32, else into a fresh fp32 tensor on the same device; numpy pushes an fp32
@@ -33,7 +29,7 @@ def bucket_and_output(buffer: torch.Tensor, codec: str) -> tuple[Any, Any]:
 
     Args:
         buffer: DDP's flat gradient bucket.
-        codec: one of ``CODECS``.
+        codec: one of gradq.client.env.CODECS.
     """
     flat = buffer.detach().reshape(-1)
     if quantizes_on_device(flat.device, codec):

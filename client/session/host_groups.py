@@ -1,4 +1,4 @@
-"""Two-level aggregation: reduce a bucket inside each host, push only this rank's slices across the host's link.
+"""Two-level aggregation: reduce a tensor inside each host, push only this rank's slices across the host's link.
 
 A host holds several ranks behind one network link. Pushing every rank's whole
 bucket would carry L times the compressed bucket through that link; instead:
@@ -7,6 +7,9 @@ bucket would carry L times the compressed bucket through that link; instead:
   P being the most ranks any host of the job holds, so the aggregator's round
   for piece p gets exactly one contribution per host. Piece p of bucket b
   travels as round key ``b * P + p`` (spread over the shards like buckets).
+  Under the adaptive bit policy a bucket is first split at parameter bounds
+  into runs on their own grids (gradq.client.bit_policy), each with a key of
+  its own, and each run is cut into P pieces the same way, so the two compose.
 - **Ownership.** On a host of L ranks, local rank j owns the pieces p with
   ``p % L == j``: one each when L = P, several on a smaller host (3 + 1 ranks:
   the lone rank owns all three). A host of one rank runs no collective at all.
@@ -33,21 +36,32 @@ import concurrent.futures
 import datetime
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradq.client.ddp.env import HOST_GROUPINGS
-from gradq.client.ddp.placement import on_callers_stream, quantizes_on_device
-from gradq.client.ddp.residuals import Segment
+from gradq.client.bit_policy import Piece
+from gradq.client.chunks import assemble
+from gradq.client.env import HOST_GROUPINGS
 from gradq.client.sending import AggregationError
+from gradq.client.session.placement import bucket_and_output, on_callers_stream, quantizes_on_device
+from gradq.client.session.residuals import Segment
 from gradq.client.worker import WorkerClient
-from gradq.qcore import channel_count
+from gradq.qcore import QuantConfig, channel_count
 
-__all__ = ["HOST_GROUPINGS", "HostGroup", "find_host_group", "host_key", "piece_bounds", "push_through_host"]
+__all__ = [
+    "HOST_GROUPINGS",
+    "HostGroup",
+    "Segment",
+    "elastic_host",
+    "find_host_group",
+    "host_key",
+    "piece_bounds",
+    "push_segments",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +88,23 @@ class HostGroup:
         """Every host holds one rank: buckets travel whole, as round key = bucket index."""
         return self.pieces == 1
 
-    def segments(self, index: int, numel: int, channel_size: int) -> list[Segment]:
-        """The pieces of bucket ``index`` this rank pushes: (round key, begin, end)."""
-        bounds = piece_bounds(numel, channel_size, self.pieces)
-        return [
-            (index * self.pieces + piece, begin, end)
-            for piece, (begin, end) in enumerate(bounds)
-            if piece % self.local_size == self.local_rank and end > begin
-        ]
+    def segments(self, pieces: Sequence[tuple[int, Piece]]) -> tuple[list[Segment], dict[int, QuantConfig]]:
+        """What this rank pushes of a tensor cut into ``pieces`` (round key, span, grid): segments and their grids.
+
+        Each piece is cut again into ``self.pieces`` spans of whole channels;
+        span p of the piece with key k travels as round key ``k * P + p`` and
+        is pushed by the local rank that owns p. On the flat path (P = 1) the
+        segments are the pieces themselves.
+        """
+        segments: list[Segment] = []
+        grids: dict[int, QuantConfig] = {}
+        for key, piece in pieces:
+            bounds = piece_bounds(piece.end - piece.begin, piece.config.channel_size, self.pieces)
+            for part, (begin, end) in enumerate(bounds):
+                if part % self.local_size == self.local_rank and end > begin:
+                    segments.append((key * self.pieces + part, piece.begin + begin, piece.begin + end))
+                    grids[key * self.pieces + part] = piece.config
+        return segments, grids
 
     def describe(self) -> str:
         """``host 1 of 2, local rank 0 of 3`` for logs."""
@@ -156,57 +179,89 @@ def find_host_group(
     return found
 
 
-def push_through_host(
+def elastic_host(group: dist.ProcessGroup, hosts: int, timeout_s: float) -> HostGroup:
+    """This host as one elastic member: its process group's ranks reduce together first (two-level).
+
+    The member id comes from the aggregator at the Join. Every host of a job
+    must hold as many ranks (its tensors are cut into that many pieces); the
+    aggregator refuses a host that holds another number. Collective over ``group``.
+
+    Raises:
+        ValueError: several ranks, but ``group`` is not the default group (the local groups are made from it).
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return HostGroup(
+            host=0, hosts=hosts, local_rank=0, local_size=1, pieces=1, reduce_group=None, gather_group=None
+        )
+    if size != dist.get_world_size():
+        raise ValueError(
+            f"elastic_hosts={hosts}: a host's {size} ranks reduce over the loop's process group, which must be the "
+            f"default group of the host's own launch (e.g. its torchrun)"
+        )
+    ranks = dist.get_process_group_ranks(group)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    reducing, gathering = dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout)
+    return HostGroup(0, hosts, dist.get_rank(group), size, size, reducing, gathering)
+
+
+def push_segments(
     host: HostGroup,
     client: WorkerClient,
-    buffer: torch.Tensor,
+    values: torch.Tensor,
     step: int,
     segments: list[Segment],
+    grids: Mapping[int, QuantConfig],
     codec: str,
     sender: concurrent.futures.Executor,
     gatherer: concurrent.futures.Executor,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average one DDP bucket in two levels (see the module docstring); returns at once.
+    """Average one flat tensor: summed inside the host first when it holds several ranks (see the module docstring).
 
     Args:
         host: this rank's place among the hosts.
         client: the connected worker client (member ``host.host``, standing for ``host.local_size`` ranks).
-        buffer: DDP's flat bucket.
+        values: the tensor; left alone by the caller until the future is done.
         step: the round's step.
-        segments: ``host.segments(...)`` of this bucket.
-        codec: the hook's codec choice (see gradq.client.ddp.placement).
-        sender: the one thread that encodes and pushes, in bucket order.
-        gatherer: the one thread that gathers mean pieces inside the host, in bucket order.
+        segments: ``host.segments(...)`` of this tensor.
+        grids: the grid of each segment's round key.
+        codec: the configured codec (see gradq.client.session.placement).
+        sender: the one thread that encodes and pushes, in call order.
+        gatherer: the one thread that gathers mean pieces inside the host, in call order.
 
     Returns:
-        A future of the mean bucket, shaped and typed like ``buffer``; it fails
-        with this rank's AggregationError, or one naming the host when another
-        of its ranks failed its pieces.
+        A future of the mean, shaped and typed like ``values``; it fails with
+        this rank's AggregationError, or one naming the host when another of
+        its ranks failed its pieces.
     """
-    numel = buffer.numel()
-    flat = buffer.detach().reshape(-1)
-    # The host's sum, in fp32: in the bucket itself when it is fp32 (DDP leaves it to the
-    # hook until the future is done, as the flat path's decode-in-place relies on too).
+    if host.reduce_group is None:
+        return _push_alone(client, values, step, segments, grids, codec, sender)
+    numel = values.numel()
+    flat = values.detach().reshape(-1)
+    # The host's sum, in fp32: in the tensor itself when it is fp32 (the caller leaves it
+    # alone until the future is done, as the decode-in-place of a rank alone relies on too).
     summed = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
-    reduced = None if host.reduce_group is None else dist.all_reduce(summed, group=host.reduce_group, async_op=True)
-    on_device = quantizes_on_device(buffer.device, codec)
+    reduced = dist.all_reduce(summed, group=host.reduce_group, async_op=True)
+    on_device = quantizes_on_device(values.device, codec)
     # Where the mean pieces land: the sum itself (each piece is encoded before its mean
-    # comes back), or a host buffer when a device bucket is quantized by numpy.
+    # comes back), or a host buffer when a device tensor is quantized by numpy.
     landing = summed if on_device or summed.device.type == "cpu" else torch.empty(numel, dtype=torch.float32)
     pushed: concurrent.futures.Future[list[concurrent.futures.Future[Any]]] = concurrent.futures.Future()
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    dtype = str(buffer.dtype).removeprefix("torch.")
+    dtype = str(values.dtype).removeprefix("torch.")
 
-    @on_callers_stream(buffer)
+    @on_callers_stream(values)
     def push() -> None:
         try:
-            if reduced is not None:
-                reduced.wait()
-            values = summed if on_device else summed.cpu().numpy()
+            assert reduced is not None
+            reduced.wait()
+            sums = summed if on_device else summed.cpu().numpy()
             out = landing if on_device else landing.numpy()
             pushed.set_result(
                 [
-                    client.push_pull_async(step, key, values[begin:end], out=out[begin:end], dtype=dtype)
+                    client.push_pull_async(
+                        step, key, sums[begin:end], out=out[begin:end], dtype=dtype, config=grids.get(key)
+                    )
                     for key, begin, end in segments
                 ]
             )
@@ -220,27 +275,72 @@ def push_through_host(
                 part.result()
         except Exception as error:
             failure = error
-        mean = landing.to(buffer.device)
+        mean = landing.to(values.device)
         try:
-            if host.gather_group is not None:
-                # First whether every rank of the host has its pieces: all gather the mean, or all fail.
-                failed = torch.tensor([0.0 if failure is None else 1.0], device=buffer.device)
-                dist.all_reduce(failed, group=host.gather_group)
-                if failure is None and failed.item() > 0:
-                    reason = f"another rank of host {host.host} failed its pieces of step {step}; its error says why"
-                    failure = AggregationError(client.addresses[0], None, reason)
-                if failure is None:
-                    _zero_outside(mean, segments)  # each piece then has exactly one owner in the sum
-                    dist.all_reduce(mean, group=host.gather_group)
+            # First whether every rank of the host has its pieces: all gather the mean, or all fail.
+            failed = torch.tensor([0.0 if failure is None else 1.0], device=values.device)
+            dist.all_reduce(failed, group=host.gather_group)
+            if failure is None and failed.item() > 0:
+                reason = f"another rank of host {host.host} failed its pieces of step {step}; its error says why"
+                failure = AggregationError(client.addresses[0], None, reason)
+            if failure is None:
+                _zero_outside(mean, segments)  # each piece then has exactly one owner in the sum
+                dist.all_reduce(mean, group=host.gather_group)
         except Exception as error:
             failure = failure or error
         if failure is not None:
             result.set_exception(failure)  # type: ignore[arg-type]  # torch's stub says Tensor
         else:
-            result.set_result(mean.to(buffer.dtype).view_as(buffer))
+            result.set_result(mean.to(values.dtype).view_as(values))
 
     sender.submit(push)
     gatherer.submit(gather)
+    return result
+
+
+def _push_alone(
+    client: WorkerClient,
+    values: torch.Tensor,
+    step: int,
+    segments: list[Segment],
+    grids: Mapping[int, QuantConfig],
+    codec: str,
+    sender: concurrent.futures.Executor,
+) -> torch.futures.Future[torch.Tensor]:
+    """A rank alone on its host pushes every piece itself; the gRPC callbacks complete the future.
+
+    Its segments cover the whole tensor. An fp32 tensor's mean is decoded
+    straight into it, as allreduce would; no thread waits for the answer.
+    """
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    pushed, out = bucket_and_output(values, codec)
+    dtype = str(values.dtype).removeprefix("torch.")  # a host copy is float32; stats compare with this
+
+    def deliver(done: concurrent.futures.Future[Any]) -> None:
+        try:
+            done.result()  # every piece's mean is in ``out``
+        except Exception as error:  # handed to the adapter, which raises it where the loop waits
+            result.set_exception(error)  # type: ignore[arg-type]  # torch's stub says Tensor
+            return
+        result.set_result(torch.as_tensor(out).to(values.device, values.dtype).view_as(values))
+
+    # Encoding and building the request happen on the sender thread, so the caller (DDP's
+    # backward) goes on computing meanwhile (the kernels release the GIL); on a GPU it
+    # queues after the work that made the tensor.
+    @on_callers_stream(values)
+    def send() -> None:
+        try:
+            parts = [
+                client.push_pull_async(
+                    step, key, pushed[begin:end], out=out[begin:end], dtype=dtype, config=grids.get(key)
+                )
+                for key, begin, end in segments
+            ]
+            assemble(parts, out, (len(out),)).add_done_callback(deliver)
+        except Exception as error:
+            result.set_exception(error)  # type: ignore[arg-type]
+
+    sender.submit(send)
     return result
 
 

@@ -1,4 +1,4 @@
-"""The adaptive bit policy's pieces of each DDP bucket, planned once per bucket layout and the same on every rank."""
+"""The adaptive bit policy's pieces of each tensor a session reduces: planned once per layout, alike on every rank."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["BitPlans"]
 
 
 class BitPlans:
-    """Bucket index -> its pieces as (round key, piece); a new layout (DDP's rebuild) gets a new plan.
+    """Tensor key -> its pieces as (round key, piece); a new layout (DDP's bucket rebuild) gets a new plan.
 
     Each piece has a round key of its own, never reused: the aggregator fixes
     a key's grid at its first push, and a rebuilt bucket index may hold other
@@ -27,19 +27,23 @@ class BitPlans:
         self._next_key = 0
 
     def plan(
-        self, bucket: dist.GradBucket, low: QuantConfig, average_bits: float, group: dist.ProcessGroup
+        self,
+        key: int,
+        params: list[torch.Tensor],
+        buffer: torch.Tensor,
+        low: QuantConfig,
+        average_bits: float,
+        group: dist.ProcessGroup,
     ) -> list[tuple[int, Piece]]:
-        """The bucket's pieces: planned from this iteration's gradients the first time its layout is seen.
+        """The pieces of the flat ``buffer`` laying ``params`` end to end, planned the first time its layout is seen.
 
-        Each parameter's error is averaged over the ranks (one small allreduce
-        per new layout), so every rank chooses the same bits.
+        Each parameter's error is averaged over the ranks of ``group`` (one small
+        allreduce per new layout), so every rank chooses the same bits.
         """
-        params = list(bucket.parameters())
         ids = [id(param) for param in params]
-        known = self._plans.get(bucket.index())
+        known = self._plans.get(key)
         if known is not None and known[0] == ids:
             return known[1]
-        buffer = bucket.buffer().detach().reshape(-1)
         numels = [param.numel() for param in params]
         if sum(numels) != buffer.numel():  # not its parameters end to end: one piece on the configured grid
             pieces = [Piece(0, buffer.numel(), low)]
@@ -58,5 +62,5 @@ class BitPlans:
             pieces = plan_pieces(numels, assign_bits(described, low.bits, average_bits), low)
         plan = [(self._next_key + number, piece) for number, piece in enumerate(pieces)]
         self._next_key += len(pieces)
-        self._plans[bucket.index()] = (ids, plan)
+        self._plans[key] = (ids, plan)
         return plan

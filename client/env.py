@@ -1,10 +1,10 @@
 """GRADQ_* environment variables: the one reader of a worker's settings, for a torchrun script and `gradq worker` alike.
 
-`GradqHookState.from_env()` and `gradq worker` (the Compose worker) read the
+`GradqConfig.from_env()` (behind `GradqHookState.from_env()`) and `gradq worker` (the Compose worker) read the
 same names through the functions here, so one environment configures either,
 with the same parsing, the same defaults and the same errors (naming the
 variable, its value and what was expected). A variable left unset (or empty)
-leaves the GradqHookState default. GRADQ_TLS_CLIENT_CERT/KEY are the worker's
+leaves the GradqConfig default. GRADQ_TLS_CLIENT_CERT/KEY are the worker's
 own certificate (GRADQ_TLS_CERT is the aggregator's, in `gradq serve`).
 Importing this module loads no torch, so `gradq worker` checks its environment
 before it pays for torch.
@@ -24,7 +24,10 @@ from gradq.client.security import ChannelSecurity
 from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [
+    "CODECS",
     "DEFAULT_CONNECT_TIMEOUT_S",
+    "FALLBACKS",
+    "HOST_GROUPINGS",
     "HOOK_ENVIRONMENT",
     "HOOK_PARSERS",
     "flag_type",
@@ -39,12 +42,18 @@ __all__ = [
     "read_variable",
 ]
 
-# How long the first Join waits for each aggregator shard (GradqHookState.connect_timeout_s, GRADQ_CONNECT_TIMEOUT).
+# How long the first Join waits for each aggregator shard (GradqConfig.connect_timeout_s, GRADQ_CONNECT_TIMEOUT).
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
-# GradqHookState.host_grouping: "auto" reduces inside hosts of several ranks first (see
-# gradq.client.ddp.host_groups), "flat" pushes every rank's whole bucket.
+# GradqConfig.host_grouping: "auto" reduces inside hosts of several ranks first (see
+# gradq.client.session.host_groups), "flat" pushes every rank's whole tensor.
 HOST_GROUPINGS = ("auto", "flat")
+
+# GradqConfig.fallback: what to do when the aggregator cannot be reached when training starts.
+FALLBACKS = ("error", "allreduce", "allgather")
+
+# GradqConfig.codec: "auto" uses the torch codec for tensors on an accelerator, numpy for CPU ones.
+CODECS = ("auto", "torch", "numpy")
 
 # Variable -> what it sets; `gradq worker --help` names the same settings.
 HOOK_ENVIRONMENT = {
@@ -68,7 +77,7 @@ HOOK_ENVIRONMENT = {
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SECURITY_FILES = ("GRADQ_TLS_CA", "GRADQ_TLS_CLIENT_CERT", "GRADQ_TLS_CLIENT_KEY", "GRADQ_TOKEN_FILE")
-# GradqHookState argument -> the variable that sets it as it is (config and security combine several).
+# GradqConfig field -> the variable that sets it as it is (config and security combine several).
 _HOOK_ARGUMENTS = {
     "error_feedback": "GRADQ_ERROR_FEEDBACK",
     "job_id": "GRADQ_JOB_ID",

@@ -21,7 +21,7 @@ parameter lies in its bucket:
   appear, whatever the layout then.
 
 A rank pushes *segments* of a bucket: the whole bucket on the flat path, the
-slices it owns under two-level aggregation (gradq.client.ddp.host_groups). A
+slices it owns under two-level aggregation (gradq.client.session.host_groups). A
 piece is the part of one parameter inside one segment, so a residual moves with
 its parameter where this rank pushes it again, and is dropped where it does not.
 """
@@ -32,23 +32,20 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from gradq.client.ddp.placement import quantizes_on_device
+from gradq.client.session.placement import quantizes_on_device
+from gradq.client.worker import WorkerClient
 from gradq.qcore.arrays import ResidualStore
-
-if TYPE_CHECKING:
-    from gradq.client.ddp.hook import GradqHookState
 
 __all__ = ["ParameterResiduals", "Segment"]
 
 log = logging.getLogger(__name__)
 
-# (bucket key handed to the client, begin, end): elements [begin, end) of a DDP bucket that this rank pushes.
+# (round key handed to the client, begin, end): elements [begin, end) of a tensor that this rank pushes.
 Segment = tuple[int, int, int]
 
 # A checkpoint's residual piece: "param<serial> <dtype>[<shape>] [<start>:<stop>]" (elements of that parameter).
@@ -75,11 +72,28 @@ class _Layout:
 
 
 class ParameterResiduals:
-    """Keeps a hook state's residuals on the parameters they belong to (see the module docstring)."""
+    """Keeps a session's residuals on the parameters they belong to (see the module docstring).
 
-    __slots__ = ("_described", "_layouts", "_loaded", "_loose", "_observed", "_parameters", "_serials")
+    Args:
+        client: the connected client whose stores hold the residuals by round key
+            (None under a fallback: nothing is pushed, so nothing is kept).
+        codec: the configured codec, which says which store a tensor's residual is in.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "_client",
+        "_codec",
+        "_described",
+        "_layouts",
+        "_loaded",
+        "_loose",
+        "_observed",
+        "_parameters",
+        "_serials",
+    )
+
+    def __init__(self, client: WorkerClient | None, codec: str) -> None:
+        self._client, self._codec = client, codec
         self._serials: dict[int, int] = {}  # id(parameter) -> serial
         self._parameters: list[torch.Tensor] = []  # by serial; held so that no other tensor reuses an id
         self._described: list[str] = []  # by serial: "dtype[shape]", checked against a checkpoint's pieces
@@ -88,29 +102,35 @@ class ParameterResiduals:
         self._loaded: dict[int, str] = {}  # serial -> "dtype[shape]" of a checkpoint's pieces not yet matched
         self._observed: set[int] = set()  # bucket indices already pushed in this iteration
 
-    # -- the hook's side -------------------------------------------------------------------------
+    # -- the session's side ----------------------------------------------------------------------
 
-    def observe(self, state: GradqHookState, bucket: dist.GradBucket, segments: Sequence[Segment]) -> None:
-        """Before ``bucket`` is pushed: move residuals if DDP changed what its index holds.
+    def observe(
+        self,
+        key: int,
+        params: list[torch.Tensor],
+        numel: int,
+        device: torch.device,
+        segments: Sequence[Segment],
+    ) -> None:
+        """Before the tensor under ``key`` is pushed: move residuals if the caller changed what the key holds.
 
         Args:
-            state: the connected hook state whose client keeps the residuals.
-            bucket: DDP's bucket, in launch (index) order.
+            key: the tensor's key in its step (DDP: the bucket index), in call order.
+            params: the parameters the tensor lays end to end ([] if it does not).
+            numel: the tensor's elements.
+            device: where it lives.
             segments: what this rank pushes of it.
         """
-        index, buffer = bucket.index(), bucket.buffer()
-        params = list(bucket.parameters())
-        known = self._layouts.get(index)
+        known = self._layouts.get(key)
         if known is None or known.segments != list(segments) or not _same_tensors(known.params, params):
             if known is not None:
-                self._cut_unpushed(state)
-            layout = _Layout(params, self._slots_of(params, buffer.numel()), list(segments), buffer.device)
-            self._layouts[index] = layout
+                self._cut_unpushed()
+            slots = self._slots_of(params, numel) if params else None
+            layout = _Layout(params, slots, list(segments), device)
+            self._layouts[key] = layout
             if self._loose:
-                self._give_back(state, layout)
-        self._observed.add(index)
-        if bucket.is_last():
-            self._end_iteration()
+                self._give_back(layout)
+        self._observed.add(key)
 
     def _slots_of(self, params: list[torch.Tensor], numel: int) -> list[_Slot] | None:
         slots, offset = [], 0
@@ -140,18 +160,18 @@ class ParameterResiduals:
             self._loose.pop(serial, None)
         return serial
 
-    def _cut_unpushed(self, state: GradqHookState) -> None:
+    def _cut_unpushed(self) -> None:
         """Every bucket not yet pushed this iteration: its residuals become loose pieces, its round keys are freed."""
         for index in [index for index in self._layouts if index not in self._observed]:
             layout = self._layouts.pop(index)
             for key, begin, end in layout.segments:
-                residual = _read_segment(state, key, end - begin, layout.device)
-                _forget_segment(state, key, end - begin, layout.device)
+                residual = self._read_segment(key, end - begin, layout.device)
+                self._forget_segment(key, end - begin, layout.device)
                 if residual is not None and layout.slots is not None:
                     for serial, start, values in _cut(layout.slots, begin, end, residual):
                         self._loose.setdefault(serial, []).append((start, values.clone()))
 
-    def _give_back(self, state: GradqHookState, layout: _Layout) -> None:
+    def _give_back(self, layout: _Layout) -> None:
         """Assemble the new layout's segment residuals from the loose pieces of its parameters."""
         if layout.slots is None:
             return
@@ -168,11 +188,12 @@ class ParameterResiduals:
                     source = first - slot.offset - start
                     residual[first - begin : last - begin] = values[source : source + last - first].cpu()
             if residual is not None:
-                _write_segment(state, key, residual, layout.device)
+                self._write_segment(key, residual, layout.device)
         for slot in layout.slots:  # what this rank does not push again is dropped: that part resets
             self._loose.pop(slot.serial, None)
 
-    def _end_iteration(self) -> None:
+    def end_step(self) -> None:
+        """The step's last tensor was observed: what was cut and not given back is dropped."""
         self._observed.clear()
         if self._loaded:
             log.warning(
@@ -186,19 +207,19 @@ class ParameterResiduals:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def state_dict(self, state: GradqHookState) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         """Piece name -> flat float32 CPU tensor, for every parameter element this rank holds a residual of."""
         pieces: dict[str, torch.Tensor] = {}
         for serial, loose in self._loose.items():
             for start, values in loose:
                 pieces[self._piece_name(serial, start, values)] = values.detach().float().cpu()
-        if state.client is None:
+        if self._client is None:
             return pieces
         for layout in self._layouts.values():
             if layout.slots is None:
                 continue
             for key, begin, end in layout.segments:
-                residual = _read_segment(state, key, end - begin, layout.device)
+                residual = self._read_segment(key, end - begin, layout.device)
                 if residual is not None:
                     for serial, start, values in _cut(layout.slots, begin, end, residual):
                         pieces[self._piece_name(serial, start, values)] = values.detach().float().cpu().clone()
@@ -243,6 +264,51 @@ class ParameterResiduals:
             )
         self._loose, self._loaded = loose, described
 
+    # -- where the client keeps them -----------------------------------------------------------------
+    # One store per array library, by round key: tensors quantized on their device keep
+    # theirs there, host arrays in numpy. The client says which keys carry a segment.
+
+    def _store(self, device: torch.device) -> tuple[ResidualStore | None, bool]:
+        """(the store a tensor on ``device`` keeps its residuals in, whether it holds tensors)."""
+        assert self._client is not None, "residuals are read and written only while connected"
+        on_device = quantizes_on_device(device, self._codec)
+        return self._client.residuals("torch" if on_device else "numpy"), on_device
+
+    def _read_segment(self, key: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The segment's residual (zeros in chunks that have none yet), on the host; None if it has none."""
+        store, _ = self._store(device)
+        assert self._client is not None
+        if store is None:
+            return None
+        chunks = [(store.residual(chunk), begin, end) for chunk, begin, end in self._client.round_keys(key, numel)]
+        if all(piece is None for piece, _, _ in chunks):
+            return None
+        residual = torch.zeros(numel, dtype=torch.float32)
+        for piece, begin, end in chunks:
+            if piece is not None and len(piece) == end - begin:
+                residual[begin:end] = (
+                    piece.detach().cpu() if isinstance(piece, torch.Tensor) else torch.from_numpy(piece)
+                )
+        return residual
+
+    def _forget_segment(self, key: int, numel: int, device: torch.device) -> None:
+        store, _ = self._store(device)
+        assert self._client is not None
+        if store is not None:
+            for chunk, _, _ in self._client.round_keys(key, numel):
+                store.reset(chunk)
+
+    def _write_segment(self, key: int, residual: torch.Tensor, device: torch.device) -> None:
+        store, holds_tensors = self._store(device)
+        assert self._client is not None
+        if store is None:
+            return
+        for chunk, begin, end in self._client.round_keys(key, residual.numel()):
+            if holds_tensors:
+                store.set_residual(chunk, residual[begin:end].to(device, torch.float32).clone())
+            else:
+                store.set_residual(chunk, np.array(residual[begin:end].numpy(), dtype=np.float32))
+
 
 def _same_tensors(known: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
     return len(known) == len(params) and all(a is b for a, b in zip(known, params, strict=True))
@@ -260,52 +326,3 @@ def _cut(slots: list[_Slot], begin: int, end: int, residual: torch.Tensor) -> li
         if first < last:
             parts.append((slot.serial, first - slot.offset, residual[first - begin : last - begin]))
     return parts
-
-
-# -- where the client keeps them ---------------------------------------------------------------------
-# One store per array library, by round key: tensors quantized on their device keep
-# theirs there, host arrays in numpy. The client says which keys carry a segment.
-
-
-def _store(state: GradqHookState, device: torch.device) -> tuple[ResidualStore | None, bool]:
-    """(the store a bucket on ``device`` keeps its residuals in, whether it holds tensors)."""
-    client = state.client
-    assert client is not None, "residuals are read and written only while connected"
-    on_device = quantizes_on_device(device, state.codec)
-    return client.residuals("torch" if on_device else "numpy"), on_device
-
-
-def _read_segment(state: GradqHookState, key: int, numel: int, device: torch.device) -> torch.Tensor | None:
-    """The segment's residual (zeros in chunks that have none yet), on the store's side; None if it has none."""
-    store, _ = _store(state, device)
-    assert state.client is not None
-    if store is None:
-        return None
-    chunks = [(store.residual(chunk), begin, end) for chunk, begin, end in state.client.round_keys(key, numel)]
-    if all(piece is None for piece, _, _ in chunks):
-        return None
-    residual = torch.zeros(numel, dtype=torch.float32)
-    for piece, begin, end in chunks:
-        if piece is not None and len(piece) == end - begin:
-            residual[begin:end] = piece.detach().cpu() if isinstance(piece, torch.Tensor) else torch.from_numpy(piece)
-    return residual
-
-
-def _forget_segment(state: GradqHookState, key: int, numel: int, device: torch.device) -> None:
-    store, _ = _store(state, device)
-    assert state.client is not None
-    if store is not None:
-        for chunk, _, _ in state.client.round_keys(key, numel):
-            store.reset(chunk)
-
-
-def _write_segment(state: GradqHookState, key: int, residual: torch.Tensor, device: torch.device) -> None:
-    store, holds_tensors = _store(state, device)
-    assert state.client is not None
-    if store is None:
-        return
-    for chunk, begin, end in state.client.round_keys(key, residual.numel()):
-        if holds_tensors:
-            store.set_residual(chunk, residual[begin:end].to(device, torch.float32).clone())
-        else:
-            store.set_residual(chunk, np.array(residual[begin:end].numpy(), dtype=np.float32))

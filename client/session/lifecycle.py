@@ -1,10 +1,10 @@
-"""A hook state's run on the aggregator: named at connect, left at close, exit or garbage collection.
+"""A session's run on the aggregator: named at connect, left at close, exit or garbage collection.
 
 torchrun reruns and restarts scripts with the same job id, and scripts rarely
 call ``close()``. So every connect is a new *incarnation* of the job (a uuid
 rank 0 draws and broadcasts; the aggregator starts the job afresh on a new one),
-and the Leave happens by itself: when the state is closed, when it (or the DDP
-model holding it) is collected, or when the interpreter exits.
+and the Leave happens by itself: when the session is closed, when it (or the DDP
+model and hook state holding it) is collected, or when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def draw_run_names(group: dist.ProcessGroup, job_id: str | None) -> tuple[str, s
     """(job id, incarnation) for this run, the same on every rank of ``group``.
 
     Args:
-        group: the process group DDP reduces over (a collective: every rank calls this).
+        group: the process group the loop reduces over (a collective: every rank calls this).
         job_id: the configured job id; None lets rank 0 draw one.
 
     Returns:
@@ -57,7 +57,7 @@ class Membership:
     """Leaves the job once: on ``close()``, when ``owner`` is collected, or at interpreter exit.
 
     Args:
-        owner: the object whose lifetime bounds the membership (the hook state).
+        owner: the object whose lifetime bounds the membership (the session).
         client: the joined client; it must not refer back to ``owner``, or
             ``owner`` would never be collected.
     """

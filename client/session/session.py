@@ -1,0 +1,292 @@
+"""GradqSession: one training loop's connection to a gradq job, whatever loop drives it.
+
+A session is made by connecting a GradqConfig over a process group. It owns
+what stays between calls: the worker client, the membership (fixed or
+elastic), this rank's host group, the error-feedback residuals, the adaptive
+bit plans, the backward failures and the two threads that push and gather.
+Its one call, ``reduce``, averages a flat tensor under a key for a step and
+returns a future of the mean; the path it takes (flat, through the host, or
+the fallback the ranks agreed on) is the session's business, not the loop's.
+The adapters (the DDP comm hook, and the next loops) stay thin on top of it.
+
+Threads: ``reduce`` runs on the caller's thread (autograd's, for DDP) and only
+hands work on: the sender thread encodes and pushes in call order, the gather
+thread collects a host's mean pieces in call order, and gRPC's threads
+complete the futures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradq.client.bit_policy import Piece
+from gradq.client.config import GradqConfig
+from gradq.client.elastic import ANY_RANK, JobWorld
+from gradq.client.sending import AggregationError
+from gradq.client.session.bit_plans import BitPlans
+from gradq.client.session.failures import BackwardFailures
+from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
+from gradq.client.session.lifecycle import Membership, draw_run_names
+from gradq.client.session.residuals import ParameterResiduals
+from gradq.client.stats import ClientStats
+from gradq.client.worker import WorkerClient
+
+__all__ = ["GradqSession"]
+
+log = logging.getLogger(__name__)
+
+# How a rank's Join went, agreed over the group by taking the worst (MAX) of all ranks.
+_JOINED, _UNREACHABLE, _REFUSED = 0, 1, 2
+# Codes of an aggregator that answered and said no: a configuration to fix, never a reason to fall back.
+_REFUSALS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "UNAUTHENTICATED"})
+
+
+class GradqSession:
+    """A connected training loop (see the module docstring); make one with ``GradqSession.connect``."""
+
+    __slots__ = (
+        "__weakref__",  # Membership leaves the job when the session is collected
+        "_closed",  # close() was called: a later reduce is an error, not a silent rejoin
+        "_gather_pool",  # one thread that gathers mean pieces inside the host, in call order
+        "_membership",  # leaves the job once, at close / collection / exit
+        "_sender_pool",  # one thread that encodes and sends off the caller's thread
+        "client",  # the joined WorkerClient (None under a fallback)
+        "config",  # the frozen configuration this session was connected with
+        "failures",  # failures held until the backward pass ends, then raised typed
+        "group",  # the process group the loop reduces over
+        "host",  # this rank's place among the job's hosts
+        "incarnation",  # this run of the job (the live run's, for an elastic joiner)
+        "job_id",  # the job every rank joined
+        "mode",  # "gradq", or the fallback the ranks agreed on
+        "plans",  # each tensor's pieces under the adaptive bit policy
+        "residuals",  # keeps error feedback on its parameters across layouts and checkpoints
+        "served_step",  # elastic: the step whose boundary this member last served joiners at
+    )
+
+    def __init__(
+        self,
+        config: GradqConfig,
+        group: dist.ProcessGroup,
+        job_id: str,
+        incarnation: str,
+        host: HostGroup,
+        client: WorkerClient | None,
+        mode: str,
+    ) -> None:
+        self.config, self.group, self.job_id, self.incarnation = config, group, job_id, incarnation
+        self.host, self.client, self.mode = host, client, mode
+        self.failures = BackwardFailures()
+        self.residuals = ParameterResiduals(client, config.codec)
+        self.plans = BitPlans()
+        self.served_step = -1
+        self._closed = False
+        self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._membership = Membership(self, client) if client is not None else None
+
+    @classmethod
+    def connect(cls, config: GradqConfig, group: dist.ProcessGroup | None = None) -> GradqSession:
+        """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
+
+        Collective over ``group`` (None: the default group). Every connect is a
+        new incarnation of the job (rank 0 draws it), so a rerun or a torchrun
+        restart with the same job id starts the job afresh.
+
+        Raises:
+            AggregationError: the aggregator refused a Join (a configuration to
+                fix: the message names both sides' values), or it could not be
+                reached and ``config.fallback`` is "error".
+        """
+        group = group if group is not None else dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialized"
+        job_id, incarnation = draw_run_names(group, config.job_id)
+        # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
+        if config.elastic_hosts:
+            host = elastic_host(group, config.elastic_hosts, config.timeout_s)
+            job_ranks = config.elastic_hosts * host.local_size
+        else:
+            host = find_host_group(group, config.host_grouping, config.host, os.environ, config.timeout_s)
+            job_ranks = dist.get_world_size(group)
+
+        def client_for(rank: int, run: str) -> WorkerClient:
+            return WorkerClient(
+                list(config.addresses),
+                job_id,
+                rank,
+                host.hosts,
+                config.quant,
+                elastic=bool(config.elastic_hosts),
+                ranks=host.local_size,
+                job_ranks=job_ranks,
+                error_feedback=config.error_feedback,
+                timeout_s=config.timeout_s,
+                security=config.security,
+                chunk_elements=config.chunk_elements,
+                max_in_flight=config.max_in_flight,
+                incarnation=run,
+                reconnect_timeout_s=config.connect_timeout_s,
+            )
+
+        client, failure = _join_host(group, host, client_for, config, incarnation)
+        outcome = _JOINED if failure is None else _REFUSED if _refused(failure) else _UNREACHABLE
+        agreed = torch.tensor([outcome], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        if agreed.item() == _JOINED:
+            assert client is not None
+            if config.elastic_hosts:  # the member id the aggregator assigned, and the run joined
+                host, incarnation = replace(host, host=client.rank), client.incarnation
+            return cls(config, group, job_id, incarnation, host, client, "gradq")
+        if client is not None:
+            client.close()
+        if agreed.item() == _REFUSED:
+            if failure is not None and _refused(failure):
+                raise AggregationError(
+                    failure.address, failure.code, f"the aggregator refused the Join: {failure.details}"
+                )
+            raise AggregationError(
+                ",".join(config.addresses),
+                None,
+                "the aggregator refused another rank's Join; that rank's error says why",
+            )
+        where = str(failure) if failure else "another rank could not reach the aggregator"
+        if config.fallback == "error":
+            raise AggregationError(
+                failure.address if failure else ",".join(config.addresses),
+                failure.code if failure else None,
+                f"unreachable at start ({where}); choose fallback='allreduce' or 'allgather' to train without it",
+            )
+        log.warning("aggregator unreachable (%s); falling back to %s", where, config.fallback)
+        return cls(config, group, job_id, incarnation, host, None, config.fallback)
+
+    def reduce(
+        self, values: torch.Tensor, step: int, key: int, parameters: Sequence[torch.Tensor] | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Average ``values`` over the job's ranks for round ``(step, key)``; returns at once.
+
+        Args:
+            values: a flat tensor (any float dtype, any device), the same key and
+                size on every rank at this step. The caller leaves it alone until
+                the future is done: an fp32 tensor's mean may be written into it.
+            step: the training step; with ``key``, the round.
+            key: names this tensor within the step, the same on every rank and
+                below 2**32 / (the most ranks a host holds).
+            parameters: the parameters ``values`` lays end to end, if it does:
+                error feedback then follows them when the caller's layout
+                changes, and the adaptive bit policy splits at their bounds.
+
+        Returns:
+            A future of the mean, shaped and typed like ``values``, on its device;
+            it fails with an AggregationError naming the round and the reason.
+        """
+        if self._closed:
+            raise RuntimeError("the gradq session is closed; connect a new one to train through gradq again")
+        if self.mode != "gradq":
+            raise RuntimeError(f"the gradq session is in fallback mode {self.mode!r}; the adapter reduces natively")
+        config, host, client = self.config, self.host, self.client
+        assert client is not None
+        flat = values.detach().reshape(-1)
+        params = list(parameters) if parameters is not None else []
+        pieces: list[tuple[int, Piece]]
+        if config.bit_policy == "adaptive" and params:
+            pieces = self.plans.plan(key, params, flat, config.quant, config.average_bits, self.group)
+        else:
+            pieces = [(key, Piece(0, flat.numel(), config.quant))]
+        segments, grids = host.segments(pieces)
+        if config.error_feedback:
+            self.residuals.observe(key, params, flat.numel(), flat.device, [(k, b, e) for k, b, e in segments])
+        return push_segments(
+            host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer()
+        )
+
+    def end_step(self) -> None:
+        """The caller has reduced every tensor of this step (DDP: after its last bucket)."""
+        self.residuals.end_step()
+
+    def world(self) -> JobWorld | None:
+        """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
+        return self.client.world if self.client is not None else None
+
+    def stats(self) -> ClientStats | None:
+        """The worker client's figures; None under a fallback."""
+        return self.client.stats() if self.client is not None else None
+
+    def close(self) -> None:
+        """Leave the job and close the channels; idempotent. ``reduce`` refuses afterwards."""
+        self._closed = True
+        for pool in (self._sender_pool, self._gather_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)  # pushes already handed over go out before the Leave
+        self._sender_pool = self._gather_pool = None
+        if self._membership is not None:
+            self._membership.close()
+            self._membership = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def _sender(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._sender_pool is None:
+            self._sender_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-sender")
+        return self._sender_pool
+
+    def _gatherer(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._gather_pool is None:
+            self._gather_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-gather")
+        return self._gather_pool
+
+
+def _join_host(
+    group: dist.ProcessGroup,
+    host: HostGroup,
+    client_for: Any,
+    config: GradqConfig,
+    incarnation: str,
+) -> tuple[WorkerClient | None, AggregationError | None]:
+    """Join as this rank's member; an elastic host's first rank joins for any id and the others follow it.
+
+    Collective over ``group`` for an elastic host of several ranks. Returns this
+    rank's client (None when it could not be made) and its failure to join.
+    """
+
+    def join(client: WorkerClient) -> AggregationError | None:
+        try:
+            client.timeout_s = config.connect_timeout_s
+            client.join()
+            client.timeout_s = config.timeout_s
+        except AggregationError as error:
+            client.close()
+            return error
+        return None
+
+    client: WorkerClient | None = None
+    failure: AggregationError | None = None
+    if not config.elastic_hosts:
+        client = client_for(host.host, incarnation)
+        failure = join(client)
+        return (client if failure is None else None), failure
+    if host.local_rank == 0:
+        client = client_for(ANY_RANK, incarnation)
+        failure = join(client)
+    joined: list[Any] = [(client.rank, client.incarnation) if client is not None and failure is None else None]
+    if host.local_size > 1:
+        dist.broadcast_object_list(joined, src=dist.get_global_rank(group, 0), group=group)
+        if host.local_rank != 0 and joined[0] is not None:
+            client = client_for(*joined[0])
+            failure = join(client)
+    if failure is None and joined[0] is None:
+        failure = AggregationError(",".join(config.addresses), None, "the host's first rank could not join")
+    return (client if failure is None else None), failure
+
+
+def _refused(failure: AggregationError) -> bool:
+    return failure.code is not None and failure.code.name in _REFUSALS
