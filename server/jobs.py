@@ -2,9 +2,10 @@
 
 A job is one run of a job id: a Join with another incarnation retires the
 current run and starts a fresh one (new members, new step window, new rounds),
-so nothing of one run is mixed into the next. Who the members of a run are,
-and what its rounds wait for, is gradq.server.membership's. Retired runs hand their rounds
+so nothing of one run is mixed into the next. Retired runs hand their rounds
 back to the caller, which fails those still waiting (the round logic owns that).
+Who the members of a run are, and what its rounds wait for, is
+gradq.server.membership's.
 """
 
 from __future__ import annotations
