@@ -117,6 +117,12 @@ class GradqConfig:
             raise ValueError(f"fallback={self.fallback!r}: an elastic host cannot fall back (it would train alone)")
         if self.bit_policy == "adaptive":
             check_average_bits(self.average_bits, self.quant.bits)
+            if hosts:
+                # Each host would plan its bits from its own gradients, and a round takes one grid.
+                raise ValueError(
+                    f"bit_policy='adaptive' with elastic_hosts={hosts}: elastic hosts plan their bits apart, and "
+                    "every host of a round must push on one grid; use bit_policy='uniform'"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GradqConfig:
