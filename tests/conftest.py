@@ -1,4 +1,7 @@
-"""Fixtures of every test folder: real aggregators on port 0, raw stubs over real channels, a one-rank gloo group."""
+"""Fixtures of every test folder: real aggregators on port 0, raw stubs over real channels, a one-rank gloo group.
+
+Also the default selection: the slow end-to-end tests (marker ``e2e``) run only with ``--e2e`` or a ``-m`` of one's own.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,35 @@ from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
 
 StartAggregator = Callable[..., AggregatorServer]
+E2E_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--e2e``: also run the slow end-to-end tests (Ray, torchrun, Compose, the browser, elastic and long runs)."""
+    parser.addoption(
+        "--e2e",
+        action="store_true",
+        help="also run the tests marked e2e (slow end-to-end runs; .ci/run passes it); a -m expression of one's own "
+        "selects by itself instead",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the e2e tests unless asked for: reported as deselected, so no one reads them as passed or skipped."""
+    if config.getoption("--e2e") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("e2e") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("e2e") is None]
+    config.stash[E2E_DESELECTED] = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Say once, at the end, what the default left out and how to run it."""
+    deselected = config.stash.get(E2E_DESELECTED, 0)
+    if deselected:
+        terminalreporter.write_line(f"{deselected} slow end-to-end tests (marker e2e) deselected; --e2e runs them")
 
 
 @pytest.fixture
