@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs gradq with its pinned test environment (the integrations' extras too) into .venv,
 # then runs lint (ruff), types (mypy), the generated-code drift check and pytest.
-# Extra arguments go to pytest, e.g. `bash tests/run.sh tests/qcore -x`.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh tests/qcore -x`. By default pytest leaves out the slow
+# end-to-end tests (marker e2e: Ray, torchrun, Compose, the browser, elastic and long runs); `--e2e` adds them
+# (.ci/run passes it), `-m e2e` runs only them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
