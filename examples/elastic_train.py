@@ -8,7 +8,7 @@ started later joins at a step boundary with the model and optimizer state of a
 live host. The training loop is gradq.client.apps.elastic_training; the gradq
 lines in it are::
 
-    state = GradqHookState(aggregator, job_id="digits", elastic_hosts=3)
+    state = GradqHookState.from_config(GradqConfig.of(aggregator, job_id="digits", elastic_hosts=3))
     model.register_comm_hook(state, gradq_hook)
     state.share(model, optimizer)
     step = state.start()  # 0, or the step a joiner received the state at
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gradq.client.apps.elastic_training import ElasticSpec, ElasticStep, train_elastic
+from gradq.client.config import GradqConfig
 from gradq.qcore import QuantConfig
 
 
@@ -57,13 +58,16 @@ def main() -> None:
     def on_step(step: ElasticStep) -> None:
         write("step", step)
 
-    spec = ElasticSpec(
+    gradq = GradqConfig.of(
         args.aggregator,
-        args.job_id,
-        args.hosts,
-        steps=args.steps,
-        config=QuantConfig(bits=args.bits),
+        QuantConfig(bits=args.bits),
         error_feedback=args.error_feedback,
+        job_id=args.job_id,
+        elastic_hosts=args.hosts,
+    )
+    spec = ElasticSpec(
+        gradq,
+        steps=args.steps,
         seed=args.seed,
         step_sleep_s=args.step_sleep,
         on_step=on_step,

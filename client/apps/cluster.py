@@ -9,10 +9,12 @@ the gloo rendezvous. More addresses than ``--world-size`` fail every worker with
 Every flag can also be set by a GRADQ_* environment variable, so a Compose
 override adds settings (``environment`` merges key by key) without repeating
 the command (``command`` is replaced whole). The variables the DDP hook reads
-too are read by gradq.client.env, as ``GradqHookState.from_env()`` reads
-them: one parser, one default, one error message each. Before it loads torch
-a worker checks its settings, then waits up to ``--connect-timeout`` for its
-aggregator's health check; either failing is one line and exit status 2.
+too are read by gradq.client.env, as ``GradqConfig.from_env()`` reads them:
+one parser, one default, one error message each. The worker builds one
+GradqConfig from them (a flag wins over its variable) and trains with it on
+either path. Before it loads torch a worker checks its settings, then waits
+up to ``--connect-timeout`` for its aggregator's health check; either failing
+is one line and exit status 2.
 
 A worker leaves on SIGTERM at once, even from inside a blocking collective,
 with its verdict's exit status when it has one (``docker compose up
@@ -23,6 +25,7 @@ reports the status of the last to stop), else 143.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import signal
@@ -33,12 +36,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gradq.client.apps.hook_settings import HookSettings
 from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.bit_policy import BIT_POLICIES
-from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
+from gradq.client.config import GradqConfig
 from gradq.client.env import (
-    DEFAULT_CONNECT_TIMEOUT_S,
     HOOK_PARSERS,
     HOST_GROUPINGS,
     flag_type,
@@ -60,6 +61,39 @@ __all__ = ["PeerDiscovery", "build_parser", "exit_on_sigterm", "main", "run"]
 _STOPPED_STATUS = 128 + signal.SIGTERM
 # An elastic host's epoch: about two passes over the training split (1437 digits) in its batches of 128.
 _ELASTIC_STEPS_PER_EPOCH = 24
+# The flags that set one GradqConfig field each: flag -> (its variable, the field, help). A flag is parsed as its
+# variable is, defaults to it, else to the field's GradqConfig default. --bits and --scheme make the grid
+# (GradqConfig.quant), --error-feedback is a switch, and the TLS files and token make GradqConfig.security.
+_FIELD_FLAGS = {
+    "--connect-timeout": (
+        "GRADQ_CONNECT_TIMEOUT",
+        "connect_timeout_s",
+        "seconds to wait for each aggregator shard to answer, before training and at the first Join",
+    ),
+    "--chunk-elements": ("GRADQ_CHUNK_ELEMENTS", "chunk_elements", "largest round a bucket is cut into"),
+    "--host": ("GRADQ_HOST", "host", "this rank's host name: ranks with the same one reduce together first"),
+    "--host-grouping": (
+        "GRADQ_HOST_GROUPING",
+        "host_grouping",
+        f"{' or '.join(HOST_GROUPINGS)}: two-level where hosts hold several ranks, or every rank pushes alone",
+    ),
+    "--elastic-hosts": (
+        "GRADQ_ELASTIC_HOSTS",
+        "elastic_hosts",
+        "0: one rank of a fixed DDP job (peers found by --peers); N: one host of an elastic job that starts "
+        "once N hosts joined, survives lost hosts and lets new ones join (needs --job-id; no peers, one aggregator)",
+    ),
+    "--bit-policy": ("GRADQ_BIT_POLICY", "bit_policy", f"{' or '.join(BIT_POLICIES)}: bits per bucket piece"),
+    "--average-bits": ("GRADQ_AVERAGE_BITS", "average_bits", "the adaptive policy's most bits per element on average"),
+    "--job-id": ("GRADQ_JOB_ID", "job_id", "aggregator job shared by all ranks (unset: rank 0 draws one per run)"),
+}
+_SECURITY_FLAGS = {
+    "--tls-ca": ("GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS"),
+    "--tls-cert": ("GRADQ_TLS_CLIENT_CERT", "this worker's PEM certificate, for mutual TLS"),
+    "--tls-key": ("GRADQ_TLS_CLIENT_KEY", "its PEM key"),
+    "--token-file": ("GRADQ_TOKEN_FILE", "file holding the bearer token to send"),
+}
+_FIELD_DEFAULTS = {field.name: field.default for field in dataclasses.fields(GradqConfig)}
 
 
 class PeerDiscovery:
@@ -169,10 +203,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables.
+    """The `gradq worker` argument parser; defaults come from GRADQ_* environment variables, else from GradqConfig.
 
     The variables are read by gradq.client.env, the reader behind
-    ``GradqHookState.from_env()``: the same names, parsing, errors and defaults.
+    ``GradqConfig.from_env()``: the same names, parsing, errors and defaults.
 
     Args:
         environ: the variables (None: ``os.environ``).
@@ -207,12 +241,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     option("--master-port", "GRADQ_MASTER_PORT", "gloo rendezvous port on rank 0", 29500, parse_integer(1, 65535))
     option("--peer-timeout", "GRADQ_PEER_TIMEOUT", "seconds to wait for all peers", 60.0, parse_number(0, above=True))
     option("--peer-settle", "GRADQ_PEER_SETTLE", "seconds the peer addresses must stay unchanged", 3.0, parse_number(0))
-    option(
-        "--connect-timeout",
-        "GRADQ_CONNECT_TIMEOUT",
-        "seconds to wait for each aggregator shard to answer, before training and at the first Join",
-        DEFAULT_CONNECT_TIMEOUT_S,
-    )
+    option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 24 steps each)", 20, parse_integer(1))
+    option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
     option("--bits", "GRADQ_BITS", "bits per gradient element, 1..8", QuantConfig().bits)
     option(
         "--scheme",
@@ -224,33 +254,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--error-feedback",
         action=argparse.BooleanOptionalAction,
         default=read_variable(environ, "GRADQ_ERROR_FEEDBACK"),
-        help="carry quantization error into the next step (unset: off, as in GradqHookState) "
-        "[env GRADQ_ERROR_FEEDBACK]",
+        help="carry quantization error into the next step (unset: off, as in GradqConfig) [env GRADQ_ERROR_FEEDBACK]",
     )
-    option("--chunk-elements", "GRADQ_CHUNK_ELEMENTS", "largest round a bucket is cut into", DEFAULT_CHUNK_ELEMENTS)
-    option("--host", "GRADQ_HOST", "this rank's host name: ranks with the same one reduce together first")
-    option(
-        "--host-grouping",
-        "GRADQ_HOST_GROUPING",
-        f"{' or '.join(HOST_GROUPINGS)}: two-level where hosts hold several ranks, or every rank pushes alone",
-        "auto",
-    )
-    option(
-        "--elastic-hosts",
-        "GRADQ_ELASTIC_HOSTS",
-        "0: one rank of a fixed DDP job (peers found by --peers); N: one host of an elastic job that starts "
-        "once N hosts joined, survives lost hosts and lets new ones join (needs --job-id; no peers, one aggregator)",
-        0,
-    )
-    option("--epochs", "GRADQ_EPOCHS", "passes over the training split (elastic: 24 steps each)", 20, parse_integer(1))
-    option("--bit-policy", "GRADQ_BIT_POLICY", f"{' or '.join(BIT_POLICIES)}: bits per bucket piece")
-    option("--average-bits", "GRADQ_AVERAGE_BITS", "the adaptive policy's most bits per element on average")
-    option("--min-accuracy", "GRADQ_MIN_ACCURACY", "exit 0 only at or above this accuracy", 90.0, parse_number(0, 100))
-    option("--job-id", "GRADQ_JOB_ID", "aggregator job shared by all ranks (unset: rank 0 draws one per run)")
-    option("--tls-ca", "GRADQ_TLS_CA", "PEM CA of the aggregator's certificate: talk TLS")
-    option("--tls-cert", "GRADQ_TLS_CLIENT_CERT", "this worker's PEM certificate, for mutual TLS")
-    option("--tls-key", "GRADQ_TLS_CLIENT_KEY", "its PEM key")
-    option("--token-file", "GRADQ_TOKEN_FILE", "file holding the bearer token to send")
+    for flag, (env, field, help_text) in _FIELD_FLAGS.items():
+        option(flag, env, help_text, _FIELD_DEFAULTS[field])
+    for flag, (env, help_text) in _SECURITY_FLAGS.items():
+        option(flag, env, help_text)
     return parser
 
 
@@ -270,54 +279,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(status)
 
 
-def _hook_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> HookSettings:
-    """Every flag the hook takes, built once for both paths; a bad one ends in argparse's error (exit 2)."""
+def _gradq_config(parser: argparse.ArgumentParser, args: argparse.Namespace, addresses: list[str]) -> GradqConfig:
+    """The one GradqConfig both paths train with: each field from its flag, else its variable, else its default.
+
+    A bad value or combination ends in argparse's error (exit 2), naming the field and value.
+    """
+    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (_, field, _) in _FIELD_FLAGS.items()}
+    if args.error_feedback is not None:
+        fields["error_feedback"] = args.error_feedback
+    files = [getattr(args, flag[2:].replace("-", "_")) for flag in _SECURITY_FLAGS]
     try:
-        token = args.token_file.read_text().strip() if args.token_file else None
-        security = ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-        config = QuantConfig(scheme=args.scheme, bits=args.bits)
+        if any(files):
+            ca, cert, key, token_file = files
+            token = token_file.read_text().strip() if token_file else None
+            fields["security"] = ChannelSecurity.from_files(ca, cert, key, token)
+        return GradqConfig.of(addresses, QuantConfig(scheme=args.scheme, bits=args.bits), **fields)
     except (ValueError, OSError) as error:
         parser.error(str(error))
-    return HookSettings(
-        config=config,
-        error_feedback=args.error_feedback,
-        connect_timeout_s=args.connect_timeout,
-        security=security,
-        chunk_elements=args.chunk_elements,
-        host=args.host,
-        host_grouping=args.host_grouping,
-        bit_policy=args.bit_policy,
-        average_bits=args.average_bits,
-    )
 
 
-def _train_elastic_host(parser: argparse.ArgumentParser, args: argparse.Namespace, aggregators: list[str]) -> int:
+def _train_elastic_host(args: argparse.Namespace, gradq: GradqConfig) -> int:
     """One host of an elastic job (see gradq.client.session.elastic): exit 0 at or above --min-accuracy."""
-    if args.job_id is None:
-        parser.error("--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it")
-    if len(aggregators) != 1:
-        parser.error(f"--elastic-hosts: an elastic job runs on one aggregator; got {len(aggregators)}")
-    settings = _hook_settings(parser, args)
     try:
-        wait_for_aggregators(aggregators, args.connect_timeout, settings.security)
+        wait_for_aggregators(list(gradq.addresses), gradq.connect_timeout_s, gradq.security)
     except AggregationError as error:
         print(f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS)", file=sys.stderr, flush=True)
         return 2
-    print(f"elastic host of job {args.job_id!r}: aggregator {aggregators[0]} serving; loading torch", flush=True)
+    print(f"elastic host of job {gradq.job_id!r}: aggregator {gradq.addresses[0]} serving; loading torch", flush=True)
     from gradq.client.apps.elastic_training import ElasticSpec, ElasticStep, train_elastic
 
     def report(step: ElasticStep) -> None:
         if step.step % _ELASTIC_STEPS_PER_EPOCH == 0:
             print(f"member {step.member}: step {step.step}  loss {step.loss:.4f}  ranks {step.ranks}", flush=True)
 
-    spec = ElasticSpec(
-        aggregators[0],
-        args.job_id,
-        args.elastic_hosts,
-        steps=args.epochs * _ELASTIC_STEPS_PER_EPOCH,
-        on_step=report,
-        **settings.hook_settings(),
-    )
+    spec = ElasticSpec(gradq, steps=args.epochs * _ELASTIC_STEPS_PER_EPOCH, on_step=report)
     try:
         result = train_elastic(spec)
     except AggregationError as error:
@@ -354,10 +349,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     if not aggregators:
         parser.error("no aggregator: give --aggregator host:port (repeatable) or GRADQ_AGGREGATORS=host:port,...")
     if args.elastic_hosts:
-        return _train_elastic_host(parser, args, aggregators)
+        if args.job_id is None:
+            parser.error("--elastic-hosts needs --job-id (GRADQ_JOB_ID): independent hosts find their job by it")
+        if len(aggregators) != 1:
+            parser.error(f"--elastic-hosts: an elastic job runs on one aggregator; got {len(aggregators)}")
+        return _train_elastic_host(args, _gradq_config(parser, args, aggregators))
     if args.world_size is None:
         parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
-    settings = _hook_settings(parser, args)
+    gradq = _gradq_config(parser, args, aggregators)
     discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
     verdict: list[int] = []  # 0 or 1 once this rank has its result
 
@@ -377,11 +376,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     print(
         f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; waiting up to "
-        f"{args.connect_timeout:g} s for the aggregator at {', '.join(aggregators)} (--connect-timeout)",
+        f"{gradq.connect_timeout_s:g} s for the aggregator at {', '.join(aggregators)} (--connect-timeout)",
         flush=True,
     )
     try:
-        wait_for_aggregators(aggregators, args.connect_timeout, settings.security)
+        wait_for_aggregators(aggregators, gradq.connect_timeout_s, gradq.security)
     except AggregationError as error:
         print(
             f"gradq worker: error: {error}; check --aggregator (GRADQ_AGGREGATORS), or wait longer with "
@@ -424,12 +423,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     spec = TrainSpec(
         world_size=args.world_size,
         init_method=f"tcp://{master}:{args.master_port}",
-        aggregators=tuple(aggregators),
+        gradq=gradq,
         epochs=args.epochs,
-        job_id=args.job_id,
         on_epoch=report_epoch,
         on_trained=report_result,
-        **settings.hook_settings(),
     )
     train_digits(rank, spec)
     return verdict[0]

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.apps.training import TrainResult, TrainSpec, train_digits
+from gradq.client.config import GradqConfig
 from gradq.client.env import (
     DEFAULT_CONNECT_TIMEOUT_S,
     flag_type,
@@ -128,15 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     codec = codec_for(config.scheme)
     label = f"gradq {codec.wire_bits(config)}-bit {codec.name}{' + EF' if args.error_feedback else ''}"
-    base = TrainSpec(
-        world_size=args.workers,
-        init_method="",
-        config=config,
-        error_feedback=args.error_feedback,
-        connect_timeout_s=args.connect_timeout,
-        epochs=args.epochs,
-        progress=True,
-    )
+    base = TrainSpec(world_size=args.workers, init_method="", epochs=args.epochs, progress=True)
     print(f"gradq demo: {args.workers} workers, MLP 64-128-128-10 on scikit-learn digits, {args.epochs} epochs")
     if args.aggregator:
         print(f"waiting up to {args.connect_timeout:g} s for the aggregator at {', '.join(args.aggregator)}")
@@ -151,7 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         addresses = args.aggregator or [stack.enter_context(local_aggregator(args.workers))]
         print(f"{label} via aggregator {', '.join(addresses)}")
-        gradq_runs = run_job(replace(base, init_method=f"tcp://127.0.0.1:{free_port()}", aggregators=tuple(addresses)))
+        gradq = GradqConfig.of(
+            addresses, config, error_feedback=args.error_feedback, connect_timeout_s=args.connect_timeout
+        )
+        gradq_runs = run_job(replace(base, init_method=f"tcp://127.0.0.1:{free_port()}", gradq=gradq))
     rows = [(label, gradq_runs)]
     if args.compare:
         print("fp32 allreduce (for comparison)")

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.apps.hook_settings import HookSettings
 from gradq.client.apps.training import load_digits_split
+from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import decode, encode
 
@@ -59,24 +59,24 @@ class ElasticResult:
 
 
 @dataclass(frozen=True, slots=True)
-class ElasticSpec(HookSettings):
-    """One elastic host's training run; the hook's settings are those of HookSettings (keyword-only).
+class ElasticSpec:
+    """One elastic host's training run.
 
     Args:
-        aggregator: ``host:port`` of the one aggregator.
-        job_id: the job every host of the run shares.
-        hosts: the hosts the job starts with (``elastic_hosts``).
+        gradq: the elastic job: its one aggregator, the ``job_id`` every host
+            shares and the hosts it starts with (``elastic_hosts`` >= 1).
         steps: train until this step (a joiner starts at the step it receives).
         batch_size, learning_rate, seed, hidden: the usual (AdamW; the rate
             decays on a cosine to 0 at ``steps``, a function of the step alone).
         step_sleep_s: pause after each step (a benchmark's stand-in for a bigger model's compute).
         on_step: called after every step (on the host's first rank).
         join_when: a standby host: build everything, then join only once this file exists.
+
+    Raises:
+        ValueError: ``gradq`` is a fixed job's (``elastic_hosts=0``).
     """
 
-    aggregator: str
-    job_id: str
-    hosts: int
+    gradq: GradqConfig
     steps: int = 200
     batch_size: int = 128
     learning_rate: float = 1e-3
@@ -85,6 +85,12 @@ class ElasticSpec(HookSettings):
     step_sleep_s: float = 0.0
     on_step: Callable[[ElasticStep], None] | None = None
     join_when: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.gradq.elastic_hosts < 1:
+            raise ValueError(
+                f"gradq.elastic_hosts={self.gradq.elastic_hosts} is invalid; expected hosts >= 1 (an elastic job)"
+            )
 
 
 def train_elastic(spec: ElasticSpec) -> ElasticResult:
@@ -104,13 +110,11 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
             torch.manual_seed(spec.seed)  # every starting host builds the same initial model
             model = DistributedDataParallel(_model(x_train.shape[1], spec.hidden))
             optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
-            state = GradqHookState(
-                spec.aggregator, job_id=spec.job_id, elastic_hosts=spec.hosts, **spec.state_arguments()
-            )
+            state = GradqHookState.from_config(spec.gradq)
             model.register_comm_hook(state, gradq_hook)
             state.share(model, optimizer)
             if spec.join_when is not None:
-                decode(encode(np.zeros(8, np.float32), spec.config))  # warm: the kernels load now, not at the Join
+                decode(encode(np.zeros(8, np.float32), spec.gradq.quant))  # warm: the kernels load now, not at the Join
                 while not spec.join_when.exists():
                     time.sleep(0.01)
             first = step = state.start()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradq.client.apps.hook_settings import HookSettings
+from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.client.stats import ClientStats
 
@@ -24,20 +24,19 @@ __all__ = ["TrainSpec", "TrainResult", "train_digits", "load_digits_split"]
 
 
 @dataclass(frozen=True, slots=True)
-class TrainSpec(HookSettings):
-    """One training run; the hook's settings are those of HookSettings (keyword-only).
+class TrainSpec:
+    """One training run.
 
     Args:
         world_size: DDP ranks.
         init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:PORT``.
-        aggregators: gradq shard addresses; empty trains with plain fp32 allreduce.
+        gradq: how the ranks reduce through gradq (its job_id None: rank 0
+            draws one and every rank uses it); None trains with plain fp32 allreduce.
         epochs, batch_size, learning_rate, seed: the usual.
         hidden: width of the MLP's hidden layers.
         dtype: parameter dtype ("float32", "bfloat16", "float16").
         device: "cpu" or a CUDA device such as "cuda" (the hook then quantizes on it).
         progress: rank 0 prints loss and accuracy after every epoch.
-        job_id: the aggregator job; None leaves it to the hook (rank 0 draws
-            one and every rank uses it).
         on_epoch: called on every rank after each epoch with (epoch, mean
             loss, test accuracy in percent), e.g. to print each rank's progress.
         on_trained: called with the result once training is done, before the
@@ -47,7 +46,7 @@ class TrainSpec(HookSettings):
 
     world_size: int
     init_method: str
-    aggregators: tuple[str, ...] = ()
+    gradq: GradqConfig | None = None
     epochs: int = 20
     batch_size: int = 32
     learning_rate: float = 0.05
@@ -56,7 +55,6 @@ class TrainSpec(HookSettings):
     dtype: str = "float32"
     device: str = "cpu"
     progress: bool = False
-    job_id: str | None = None
     on_epoch: Callable[[int, float, float], None] | None = None
     on_trained: Callable[[TrainResult], None] | None = None
 
@@ -105,8 +103,8 @@ def train_digits(rank: int, spec: TrainSpec) -> TrainResult:
         torch.manual_seed(spec.seed + rank)  # DDP broadcasts rank 0's initial weights anyway
         device = torch.device(spec.device)
         model = DistributedDataParallel(_model(spec.hidden).to(device, dtype))
-        if spec.aggregators:
-            state = GradqHookState(list(spec.aggregators), job_id=spec.job_id, **spec.state_arguments())
+        if spec.gradq is not None:
+            state = GradqHookState.from_config(spec.gradq)
             model.register_comm_hook(state, gradq_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate, momentum=0.9)
         mine = np.arange(rank, len(y_train), spec.world_size)

@@ -24,8 +24,9 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState
-from gradq.client.integrations.registration import GradqIntegrationError, register_once
+from gradq.client.integrations.registration import GradqIntegrationError, hook_state, register_once
 
 __all__ = ["GradqIntegrationError", "use_gradq"]
 
@@ -33,13 +34,16 @@ __all__ = ["GradqIntegrationError", "use_gradq"]
 _MARK = "_gradq_state"
 
 
-def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHookState:
+def use_gradq(
+    accelerator: Any, state: GradqHookState | None = None, *, config: GradqConfig | None = None
+) -> GradqHookState:
     """Make every model ``accelerator.prepare`` (or ``prepare_model``) returns for training reduce through gradq.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` of a multi-process run.
-        state: the hook state; None reads the GRADQ_* variables
-            (``GradqHookState.from_env()``: GRADQ_AGGREGATORS, GRADQ_BITS, ...).
+        state: the hook state; None builds one from ``config``.
+        config: the configuration (with ``state`` None); None reads the GRADQ_* variables
+            (``GradqConfig.from_env()``: GRADQ_AGGREGATORS, GRADQ_BITS, ...).
 
     Returns:
         The state, for ``stats()`` and ``close()``.
@@ -47,10 +51,10 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
     Raises:
         GradqIntegrationError: ``accelerator`` has no ``prepare_model``,
             ``use_gradq`` was already called on it, or ``prepare`` already
-            wrapped a model in DDP (call ``use_gradq`` before it). Later, ``prepare`` raises it
-            when the model it returns is not a DistributedDataParallel (a
-            single process, or no parameter requiring gradients).
-        ValueError: ``state`` is None and a GRADQ_* variable is unset or invalid.
+            wrapped a model in DDP (call ``use_gradq`` before it), or both ``state`` and
+            ``config`` were given. Later, ``prepare`` raises it when the model it returns is
+            not a DistributedDataParallel (a single process, or no parameter requiring gradients).
+        ValueError: ``state`` and ``config`` are None and a GRADQ_* variable is unset or invalid.
     """
     original = getattr(accelerator, "prepare_model", None)
     if original is None:
@@ -62,7 +66,7 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
             "use_gradq(accelerator) was already called on this accelerator; call it once, before prepare"
         )
     _refuse_wrapped_models(accelerator)
-    hook_state = state if state is not None else GradqHookState.from_env()
+    gradq_state = hook_state(state, config, "use_gradq(accelerator)")
 
     @functools.wraps(original)
     def prepare_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
@@ -76,11 +80,11 @@ def use_gradq(accelerator: Any, state: GradqHookState | None = None) -> GradqHoo
             "`accelerate launch --multi_gpu --num_processes 2 train.py` (with Accelerator(cpu=True) on CPU), "
             "and give the model a parameter that requires gradients"
         )
-        return register_once(prepared, hook_state, "accelerator.prepare", fix)
+        return register_once(prepared, gradq_state, "accelerator.prepare", fix)
 
     accelerator.prepare_model = prepare_model
-    setattr(accelerator, _MARK, hook_state)
-    return hook_state
+    setattr(accelerator, _MARK, gradq_state)
+    return gradq_state
 
 
 def _refuse_wrapped_models(accelerator: Any) -> None:

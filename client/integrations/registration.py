@@ -1,4 +1,5 @@
-"""Registering gradq on a framework's DDP model once, and the clear error when there is no DDP model to register on."""
+"""Registering gradq on a framework's DDP model once, the state an integration registers, and the clear error when
+there is no DDP model to register on."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import weakref
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState, gradq_hook
 
-__all__ = ["GradqIntegrationError", "register_once", "registered_state"]
+__all__ = ["GradqIntegrationError", "hook_state", "register_once", "registered_state"]
 
 # DDP models gradq was registered on: DDP accepts one comm hook per model, and the
 # frameworks hand the same DDP object back (a second train(), a second prepare).
@@ -18,6 +20,27 @@ _registered: weakref.WeakKeyDictionary[DistributedDataParallel, GradqHookState] 
 
 class GradqIntegrationError(RuntimeError):
     """An integration was used where gradq cannot reduce the gradients; the message says what to change."""
+
+
+def hook_state(state: GradqHookState | None, config: GradqConfig | None, where: str) -> GradqHookState:
+    """The state an integration registers: ``state``, else one built from ``config``, else from the GRADQ_* variables.
+
+    Args:
+        state: a state the user built (None: build one).
+        config: the configuration to build it from (None: ``GradqConfig.from_env()``).
+        where: the integration's call, for messages.
+
+    Raises:
+        GradqIntegrationError: both ``state`` and ``config`` were given.
+        ValueError: neither was given and a GRADQ_* variable is unset or invalid.
+    """
+    if state is not None and config is not None:
+        raise GradqIntegrationError(
+            f"{where} was given both state= and config=; pass one (a state carries its config: state.gradq_config)"
+        )
+    if state is not None:
+        return state
+    return GradqHookState.from_config(config if config is not None else GradqConfig.from_env())
 
 
 def register_once(model: nn.Module, state: GradqHookState, where: str, fix: str) -> DistributedDataParallel:

@@ -15,8 +15,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState
-from gradq.client.integrations.registration import GradqIntegrationError, register_once
+from gradq.client.integrations.registration import GradqIntegrationError, hook_state, register_once
 
 __all__ = ["GradqCallback", "GradqIntegrationError"]
 
@@ -31,20 +32,22 @@ class GradqCallback(TrainerCallback):
 
     Args:
         trainer: the ``transformers.Trainer`` this callback is added to.
-        state: the hook state; None reads the GRADQ_* variables now
-            (``GradqHookState.from_env()``), so a bad one fails before training.
+        state: the hook state; None builds one from ``config`` now.
+        config: the configuration (with ``state`` None); None reads the GRADQ_* variables
+            now (``GradqConfig.from_env()``), so a bad one fails before training.
 
     Raises:
-        ValueError: ``state`` is None and a GRADQ_* variable is unset or invalid.
+        GradqIntegrationError: ``trainer`` is not a Trainer, or both ``state`` and ``config`` were given.
+        ValueError: ``state`` and ``config`` are None and a GRADQ_* variable is unset or invalid.
     """
 
-    def __init__(self, trainer: Any, state: GradqHookState | None = None) -> None:
+    def __init__(self, trainer: Any, state: GradqHookState | None = None, *, config: GradqConfig | None = None) -> None:
         if not hasattr(trainer, "model_wrapped"):
             raise GradqIntegrationError(
                 f"trainer={type(trainer).__name__} has no model_wrapped; expected a transformers.Trainer"
             )
         self.trainer = trainer
-        self.state = state if state is not None else GradqHookState.from_env()
+        self.state = hook_state(state, config, "GradqCallback(trainer)")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Register on ``trainer.model_wrapped`` (a no-op when this DDP object already trains through gradq).

@@ -1,6 +1,7 @@
 """Ray Train's train_func for tests/client/test_ray_train.py: each worker writes what it saw to OUT_DIR/rank<N>.json.
 
-The config holds ``steps``, ``out_dir``, the gradq keys (``gradq_aggregators``, ...) and, for the restart test,
+The config holds ``steps``, ``out_dir``, the gradq keys (``gradq_aggregators``, ...) or a GradqConfig (``gradq``)
+and, for the restart test,
 ``kill_at``: worker 1 of the first attempt kills itself (SIGKILL) before that step, so Ray restarts the group.
 """
 
@@ -18,6 +19,7 @@ import ray.train.torch
 import torch
 from torch import nn
 
+from gradq.client.config import GradqConfig
 from gradq.client.integrations.ray_train import GradqIntegrationError, use_gradq
 
 
@@ -76,12 +78,15 @@ def train_func(config: dict[str, Any]) -> None:
 
 
 def misuse_func(config: dict[str, Any]) -> None:
-    """At world size 1: report the errors for no aggregator address, an unknown gradq key, a model Ray did not wrap."""
+    """At world size 1: report the errors for no aggregator address, an unknown gradq key, a "gradq" that is no
+    GradqConfig or comes with gradq keys, and a model Ray did not wrap."""
     model = ray.train.torch.prepare_model(nn.Linear(2, 2))
     errors: dict[str, str] = {}
     cases: dict[str, dict[str, Any]] = {
         "no_address": {},
         "unknown_key": {"gradq_aggregators": "127.0.0.1:1", "gradq_bitz": 4},
+        "not_a_config": {"gradq": "127.0.0.1:1"},
+        "config_and_keys": {"gradq": GradqConfig.of("127.0.0.1:1"), "gradq_bits": 4},
         "not_ddp": {"gradq_aggregators": "127.0.0.1:1"},
     }
     for case, gradq_config in cases.items():

@@ -1,5 +1,5 @@
-"""Ray Train: `use_gradq(model, config)` trains a 2-worker TorchTrainer through a real aggregator, survives Ray's
-restart of the group after a worker is killed, and refuses misuse clearly."""
+"""Ray Train: `use_gradq(model, config)` trains a 2-worker TorchTrainer through a real aggregator (from gradq_* keys
+or a pickled GradqConfig), survives Ray's restart of the group after a worker is killed, and refuses misuse clearly."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from dependencies import require_module
 
+from gradq.client.config import GradqConfig
 from gradq.server.app import AggregatorServer
 
 require_module("ray", "ray")  # every test here runs Ray Train (the train loops import it)
@@ -67,7 +68,8 @@ def test_a_killed_worker_restarts_the_group_as_a_new_incarnation(
 ) -> None:
     from ray_train_loop import train_func
 
-    config = {"steps": STEPS, "out_dir": str(tmp_path), "gradq_aggregators": f"127.0.0.1:{aggregator.port}"}
+    # A whole GradqConfig, pickled to the workers; its job id left to the run's name.
+    config = {"steps": STEPS, "out_dir": str(tmp_path), "gradq": GradqConfig.of(f"127.0.0.1:{aggregator.port}")}
     kill_at = 3
     fit(train_func, {**config, "kill_at": kill_at}, tmp_path, workers=2, max_failures=1)
     killed_incarnation = (tmp_path / "killed").read_text()  # worker 1 of the first group wrote it, then died
@@ -91,6 +93,12 @@ def test_misuse_gets_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     )
     assert errors["unknown_key"].startswith("train_loop_config['gradq_bitz'] is unknown; expected one of ")
     assert "gradq_bits" in errors["unknown_key"]
+    assert errors["not_a_config"] == (
+        "train_loop_config['gradq']='127.0.0.1:1' is invalid; expected a gradq.client.config.GradqConfig"
+    )
+    assert errors["config_and_keys"] == (
+        "train_loop_config has both 'gradq' and 'gradq_bits'; pass the whole GradqConfig or the gradq_* keys, not both"
+    )
     assert errors["not_ddp"] == (
         "ray.train.torch.prepare_model returned a Linear, not a torch DistributedDataParallel: gradq reduces DDP's "
         "gradient buckets, so it has nothing to hook into; this Ray Train worker group has world size 1 and "
