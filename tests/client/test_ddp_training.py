@@ -15,6 +15,8 @@ from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 EPOCHS = 20
 
 

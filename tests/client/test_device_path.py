@@ -25,6 +25,8 @@ from gradq.server.process import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ddp_probe
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 WORLD, STEPS, PIECES, NUMEL = 2, 2, 3, 3 * 2500
 # 1024-element chunks of 256-element channels: every bucket is cut into 3 rounds, spread over both shards.
 CHUNK_ELEMENTS, CHANNEL_SIZE = 1024, 256

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dependencies import require_module
 
 from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
+
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
 
 require_module("lightning", "dev")  # under CI a missing lightning fails, not skips
 

@@ -13,6 +13,8 @@ from dependencies import require_module
 from gradq.client.config import GradqConfig
 from gradq.server.app import AggregatorServer
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 require_module("ray", "ray")  # every test here runs Ray Train (the train loops import it)
 
 STEPS = 8

@@ -6,6 +6,7 @@ leave is one INFO line, so replaying them says which ranks are still joined.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from gradq.server.process import spawn_aggregator
+
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -51,16 +54,22 @@ class Aggregator:
         return {job: ranks for job, (_, ranks) in members.items() if ranks}
 
 
-@pytest.fixture(scope="module")
-def aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aggregator]:
-    log = tmp_path_factory.mktemp("aggregator") / "serve.log"
+@contextlib.contextmanager
+def serving(log: Path, *flags: str) -> Iterator[Aggregator]:
+    """A real `gradq serve` with ``flags``, logging to ``log``, stopped at the end."""
     with log.open("w") as sink:
-        process, port = spawn_aggregator("--log-level", "INFO", "--round-timeout", "60", stderr=sink)
+        process, port = spawn_aggregator("--log-level", "INFO", "--round-timeout", "60", *flags, stderr=sink)
     try:
         yield Aggregator(f"127.0.0.1:{port}", log)
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aggregator]:
+    with serving(tmp_path_factory.mktemp("aggregator") / "serve.log") as served:
+        yield served
 
 
 def torchrun(
@@ -118,34 +127,17 @@ def test_an_elastic_restart_with_a_killed_worker_completes(aggregator: Aggregato
     assert "torchrun-elastic" not in aggregator.joined()
 
 
-@pytest.fixture(scope="module")
-def two_rank_aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aggregator]:
-    """`gradq serve --world-size 2`: the world size counts ranks, as torchrun's --nproc_per_node does."""
-    log = tmp_path_factory.mktemp("fixed-world") / "serve.log"
-    with log.open("w") as sink:
-        process, port = spawn_aggregator("--log-level", "INFO", "--world-size", "2", stderr=sink)
-    try:
-        yield Aggregator(f"127.0.0.1:{port}", log)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def test_serve_world_size_counts_the_ranks_of_a_two_level_host(two_rank_aggregator: Aggregator) -> None:
+def test_serve_world_size_counts_the_ranks_of_a_two_level_host(tmp_path: Path) -> None:
     # One host of 2 ranks joins as one member standing for 2 ranks: --world-size 2 is that job.
-    finished, _ = torchrun(two_rank_aggregator, "torchrun-world-2")
+    with serving(tmp_path / "serve.log", "--world-size", "2") as fixed:
+        finished, _ = torchrun(fixed, "torchrun-world-2")
     assert len(finished) == 1
     assert_trained(finished[0], 0, "torchrun-world-2")
 
 
 def test_a_world_size_mismatch_is_named_as_one(tmp_path: Path) -> None:
-    log = tmp_path / "serve.log"
-    with log.open("w") as sink:
-        process, port = spawn_aggregator("--log-level", "INFO", "--world-size", "4", stderr=sink)
-    try:
-        _, stderr = torchrun(Aggregator(f"127.0.0.1:{port}", log), "torchrun-world-4", succeeds=False)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with serving(tmp_path / "serve.log", "--world-size", "4") as fixed:
+        _, stderr = torchrun(fixed, "torchrun-world-4", succeeds=False)
     assert "unreachable" not in stderr
-    assert "refused the Join" in stderr and "--world-size=4" in stderr and "2" in stderr, stderr[-3000:]
+    assert "refused the Join" in stderr and "configuration mismatch" in stderr, stderr[-3000:]
+    assert "--world-size=4" in stderr and "this job has 2 ranks" in stderr, stderr[-3000:]

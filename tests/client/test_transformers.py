@@ -18,6 +18,8 @@ from gradq.client.integrations.registration import GradqIntegrationError
 from gradq.server.app import AggregatorServer
 from gradq.server.process import free_port
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 SCRIPT = Path(__file__).with_name("transformers_train.py")
 STEPS = 6
 

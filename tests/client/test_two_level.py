@@ -21,6 +21,8 @@ from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 NUMEL = 3 * 4096 + 100  # several channels per piece, and a short last channel
 
 

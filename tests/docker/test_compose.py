@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.e2e]  # e2e: a slow end-to-end run, deselected unless --e2e
 
 REPO = Path(__file__).resolve().parents[2]
 # One project per checkout, so clusters started from two checkouts on one engine do not meet.

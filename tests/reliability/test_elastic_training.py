@@ -23,6 +23,8 @@ from elastic_hosts import ElasticHost, finish, start_host, stop, wait_for
 
 from gradq.server.process import free_port, spawn_aggregator
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 HOSTS = 3
 STEPS = 400
 # How far the final held-out loss may be from the uninterrupted run's. The 20-odd steps averaged over two

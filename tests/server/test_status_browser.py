@@ -28,6 +28,8 @@ from gradq.server.app import AggregatorServer
 from gradq.server.policy import RoundPolicy
 from gradq.server.status import JobRow
 
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
 StartAggregator = Callable[..., AggregatorServer]
 HOSTILE = "<script>document.title='owned'</script>"
 
