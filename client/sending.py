@@ -96,11 +96,21 @@ class ShardSender:
         self.window = window
         self._stats = stats
         self._rejoin = rejoin
+        self._held_lock = threading.Lock()  # futures settle on gRPC's threads
+        self.held_bytes = 0  # bytes of the requests submitted and not yet settled
 
     def submit(self, pending: PendingPush) -> None:
         """Send ``pending`` now if its shard's window has room, else once a slot frees."""
+        size = len(pending.request)
+        with self._held_lock:
+            self.held_bytes += size
+        pending.result.add_done_callback(functools.partial(self._settled, size))
         if self.window.admit(pending.shard, pending):
             self.start(pending)
+
+    def _settled(self, size: int, settled: object) -> None:
+        with self._held_lock:
+            self.held_bytes -= size
 
     def start(self, pending: PendingPush | None) -> None:
         """Transmit pushes that hold a window slot; one failing at once hands its slot to the next in line.

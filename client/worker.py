@@ -404,6 +404,14 @@ class WorkerClient:
             arrays = self._arrays[library] = new_arrays(library, self.config, self._error_feedback)
         return arrays
 
+    def array_libraries(self) -> list[str]:
+        """The array libraries this client has encoded with: the ones that may hold residuals."""
+        return list(self._arrays)
+
+    def requests_in_flight_bytes(self) -> int:
+        """Bytes of the encoded pushes not yet answered (each kept for a resend until its mean arrives)."""
+        return self._sender.held_bytes
+
     def residuals(self, library: str = "numpy") -> ResidualStore | None:
         """The error-feedback residuals of the buckets pushed as ``library`` arrays, by round key.
 

@@ -18,9 +18,10 @@ complete the futures.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session.bit_plans import BitPlans
 from gradq.client.session.failures import BackwardFailures
+from gradq.client.session.heap import release_free_heap
 from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
 from gradq.client.session.lifecycle import Membership, draw_run_names
 from gradq.client.session.residuals import ParameterResiduals
@@ -58,6 +60,7 @@ class GradqSession:
         "_gather_pool",  # one thread that gathers mean pieces inside the host, in call order
         "_membership",  # leaves the job once, at close / collection / exit
         "_sender_pool",  # one thread that encodes and sends off the caller's thread
+        "_step_futures",  # this step's futures: once all are done, the step's buffers are freed
         "client",  # the joined WorkerClient (None under a fallback)
         "config",  # the frozen configuration this session was connected with
         "failures",  # failures held until the backward pass ends, then raised typed
@@ -88,6 +91,7 @@ class GradqSession:
         self.plans = BitPlans()
         self.served_step = -1
         self._closed = False
+        self._step_futures: list[torch.futures.Future[torch.Tensor]] = []
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._membership = Membership(self, client) if client is not None else None
@@ -202,13 +206,21 @@ class GradqSession:
         segments, grids = host.segments(pieces)
         if config.error_feedback:
             self.residuals.observe(key, params, flat.numel(), flat.device, [(k, b, e) for k, b, e in segments])
-        return push_segments(
+        reduced = push_segments(
             host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer()
         )
+        self._step_futures.append(reduced)
+        return reduced
 
     def end_step(self) -> None:
         """The caller has reduced every tensor of this step (DDP: after its last bucket)."""
         self.residuals.end_step()
+        futures, self._step_futures = self._step_futures, []
+        if futures:
+            # Once the step's means have landed, its buffers are freed: give their pages back
+            # (on the sender thread, while the loop steps its optimizer).
+            sender = self._sender()
+            torch.futures.collect_all(futures).add_done_callback(lambda _: _submit_quietly(sender, release_free_heap))
 
     def world(self) -> JobWorld | None:
         """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
@@ -217,6 +229,28 @@ class GradqSession:
     def stats(self) -> ClientStats | None:
         """The worker client's figures; None under a fallback."""
         return self.client.stats() if self.client is not None else None
+
+    def held_bytes(self) -> dict[str, int]:
+        """What this session holds between and during calls, in bytes, by buffer.
+
+        Returns:
+            ``residuals``: the error-feedback residuals (one float32 per element
+            pushed, on the tensors' devices); ``requests``: the encoded pushes
+            not yet answered (kept for a resend); both 0 under a fallback.
+        """
+        client = self.client
+        if client is None:
+            return {"residuals": 0, "requests": 0}
+        residuals = 0
+        for library in client.array_libraries():
+            store = client.residuals(library)
+            if store is None:  # error feedback is off
+                continue
+            keys = store.keys()  # a ResidualStore, not a dict
+            for key in keys:
+                held = store.residual(key)
+                residuals += held.numel() * held.element_size() if isinstance(held, torch.Tensor) else held.nbytes
+        return {"residuals": residuals, "requests": client.requests_in_flight_bytes()}
 
     def close(self) -> None:
         """Leave the job and close the channels; idempotent. ``reduce`` refuses afterwards."""
@@ -290,3 +324,8 @@ def _join_host(
 
 def _refused(failure: AggregationError) -> bool:
     return failure.code is not None and failure.code.name in _REFUSALS
+
+
+def _submit_quietly(pool: concurrent.futures.Executor, task: Callable[[], None]) -> None:
+    with contextlib.suppress(RuntimeError):  # the session closed meanwhile: nothing is left to give back for
+        pool.submit(task)

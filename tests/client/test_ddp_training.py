@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from gradq.client.apps.demo import free_port, run_job
 from gradq.client.apps.training import TrainResult, TrainSpec
+from gradq.client.config import GradqConfig
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -29,17 +30,16 @@ def aggregator() -> Iterator[str]:
 
 
 def train(
-    world: int, aggregator: str | None, bits: int = 8, error_feedback: bool = False, **extra: object
+    world: int, aggregator: str | None, bits: int = 8, error_feedback: bool = False, **extra: Any
 ) -> list[TrainResult]:
-    spec = TrainSpec(
-        world_size=world,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        aggregators=(aggregator,) if aggregator else (),
-        config=QuantConfig(bits=bits),
-        error_feedback=error_feedback,
-        epochs=EPOCHS,
+    gradq = (
+        GradqConfig.of(aggregator, QuantConfig(bits=bits), error_feedback=error_feedback, **extra)
+        if aggregator
+        else None
     )
-    return run_job(replace(spec, **extra))  # type: ignore[arg-type]
+    return run_job(
+        TrainSpec(world_size=world, init_method=f"tcp://127.0.0.1:{free_port()}", gradq=gradq, epochs=EPOCHS)
+    )
 
 
 @pytest.fixture(scope="module")
