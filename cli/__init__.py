@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         "(gradq.client.ddp.hook), configured by GRADQ_AGGREGATORS, GRADQ_JOB_ID, GRADQ_BITS, ...; launch it with "
         "torchrun --standalone --nproc_per_node=N against a running `gradq serve`. Each rank leaves its job when its "
         "process exits, and a rerun or a torchrun restart with the same GRADQ_JOB_ID starts the job afresh. "
-        "See examples/torchrun_train.py and the README's 'With torchrun'.",
+        "See examples/torchrun_train.py and docs/integrations.md, 'With torchrun'.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, summary) in _SUBCOMMANDS.items():

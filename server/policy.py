@@ -32,9 +32,8 @@ class RoundPolicy:
             where the mean goes back on a uniform grid of at most
             ``AUTO_FEEDBACK_BITS`` bits (not the scaled sign's): re-rounding
             it the same way every step, with nothing carrying the error,
-            biases it (issue 26: at 2 bits the parameters' sum moved 80x as
-            far as with the push leg alone under AdamW; see
-            bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
+            biases it (at 2 bits the parameters' sum moved 80x as far as
+            with the push leg alone under AdamW: bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
             range. True: on any quantized return grid; False: never. Costs a
             fp32 residual per round key, charged to the job's memory budget.
         retain_steps: finished rounds of this many steps behind the newest are
