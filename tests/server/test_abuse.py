@@ -1,4 +1,4 @@
-"""Eight ways a buggy or hostile client may misbehave, each tried against a real aggregator on loopback while a legitimate job runs.
+"""Eight ways a buggy or hostile client misbehaves, each tried on a real aggregator while a legitimate job runs.
 
 Every test proves the legitimate job's means stay exact (integer-valued
 gradients) while the attack runs, and that the attacker gets a status that

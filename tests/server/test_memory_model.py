@@ -1,4 +1,4 @@
-"""The memory model of docs/operating.md, checked: what a shard holds for a job is what the model says, and the budget counts it.
+"""The memory model of docs/operating.md, checked: a shard holds for a job what the model says; the budget counts it.
 
 The model: one fp32 accumulator (4 bytes per element) per round in flight;
 the encoded means of the newest completed step and the ``--retain-steps``

@@ -1,6 +1,6 @@
 """/status in a real headless browser (Debian's chromium) while a job trains: its row and counts as rendered.
 
-Set GRADQ_STATUS_SCREENSHOT=docs/status-page.png to refresh the screenshot in docs/operating.md (1200x800) from this test.
+Set GRADQ_STATUS_SCREENSHOT=docs/status-page.png to refresh docs/operating.md's screenshot (1200x800) from this test.
 """
 
 from __future__ import annotations
