@@ -220,8 +220,20 @@ class GradqHookState:
         loaded.load_state_dict(pieces)
         self._config, self.step, self._loaded = config, step, loaded
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The configuration's fields stay settable before connecting, checked again as a whole.
+        if name in _CONFIG_FIELDS:
+            if self._session is not None:
+                raise RuntimeError(f"{name} cannot change once the state has connected (its session uses it)")
+            field = "quant" if name == "config" else name
+            object.__setattr__(self, "_config", self._config.replace(**{field: value}))
+            return
+        object.__setattr__(self, name, value)
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"gradq_config": self._config, "step": self.step}
+        # A connected state's copy keeps the job id rank 0 drew, and joins that job as a new incarnation.
+        config = self._config if self._session is None else self._config.replace(job_id=self._session.job_id)
+        return {"gradq_config": config, "step": self.step}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         config = state.get("gradq_config")
@@ -318,12 +330,13 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         )
     session = state._connected()
     buffer = bucket.buffer()
+    sparse = buffer.layout != torch.strided
     if session.mode != "gradq":
-        return _FALLBACK_HOOKS[session.mode](session, bucket)
+        return _fallback_allreduce(session, bucket) if sparse else _FALLBACK_HOOKS[session.mode](session, bucket)
     step, last = state.step, bucket.is_last()
     if state.elastic_hosts:
         serve_joiners(session, state._shared, step)  # at a step boundary, before this step's first push
-    if buffer.layout != torch.strided:
+    if sparse:
         # A sparse gradient (nn.Embedding(sparse=True)) has no dense grid to quantize: its
         # bucket is averaged by the process group, uncompressed, as DDP's default hook does.
         reduced = _fallback_allreduce(session, bucket)

@@ -48,7 +48,9 @@ class BitPlans:
         if sum(numels) != buffer.numel():  # not its parameters end to end: one piece on the configured grid
             pieces = [Piece(0, buffer.numel(), low)]
         else:
-            errors = torch.zeros(len(params), dtype=torch.float64)
+            errors = torch.zeros(
+                len(params), dtype=torch.float64, device=buffer.device
+            )  # NCCL groups take no CPU tensor
             offset = 0
             for index, numel in enumerate(numels):
                 errors[index] = relative_error_at(buffer[offset : offset + numel].float().cpu().numpy(), low)

@@ -63,3 +63,28 @@ def test_the_hook_state_carries_a_config_and_reads_its_fields() -> None:
     assert state.config == QuantConfig(bits=4) and state.chunk_elements == 4096 and state.host_grouping == "flat"
     assert state.addresses == ["a:1"] and state.session is None and state.mode is None
     assert pickle.loads(pickle.dumps(state)).gradq_config == config
+
+
+def test_the_state_s_fields_may_change_before_it_connects_checked_as_a_whole() -> None:
+    state = GradqHookState("a:1")
+    state.timeout_s = 5.0
+    state.job_id = "mine"
+    state.config = QuantConfig(bits=2)
+    assert state.gradq_config == GradqConfig(("a:1",), QuantConfig(bits=2), timeout_s=5.0, job_id="mine")
+    with pytest.raises(ValueError, match="fallback='retry' is invalid"):
+        state.fallback = "retry"
+    assert state.fallback == "error"  # a refused change leaves the state as it was
+
+
+def test_a_connected_state_s_copy_keeps_the_job_id_rank_0_drew(exact_aggregator: str, group: None) -> None:
+    state = GradqHookState(exact_aggregator)  # no job id: rank 0 draws one at connect
+    assert state.start() == 0  # connects now, as the first bucket would
+    try:
+        drawn = state.job_id
+        assert drawn is not None and drawn.startswith("ddp-")
+        copy = pickle.loads(pickle.dumps(state))
+        assert copy.job_id == drawn and copy.session is None and copy.incarnation is None
+        with pytest.raises(RuntimeError, match="timeout_s cannot change once the state has connected"):
+            state.timeout_s = 1.0
+    finally:
+        state.close()

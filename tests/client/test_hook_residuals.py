@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradq.client.apps.demo import free_port
 from gradq.client.ddp import GradqHookState, gradq_hook
 from gradq.qcore import QuantConfig
 
@@ -83,21 +84,21 @@ def test_after_the_rebuild_only_the_new_layouts_residuals_are_held(exact_aggrega
     state.close()
 
 
-def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(
-    exact_aggregator: str, group: None
-) -> None:
-    class Bag(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(100, 16, sparse=True)
-            self.head = nn.Linear(16, 4)
+class _Bag(nn.Module):
+    """A bag of sparse embeddings and a dense head: one sparse bucket beside a dense one."""
 
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return self.head(self.embedding(tokens).mean(dim=1))
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(100, 16, sparse=True)
+        self.head = nn.Linear(16, 4)
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(dim=1))
+
+
+def _train_bag(state: GradqHookState) -> list[float]:
     torch.manual_seed(0)
-    model = DistributedDataParallel(Bag())
-    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ef-sparse")
+    model = DistributedDataParallel(_Bag())
     model.register_comm_hook(state, gradq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     tokens = torch.randint(0, 100, (32, 5), generator=torch.Generator().manual_seed(0))
@@ -111,8 +112,24 @@ def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(
         assert grad is not None and grad.is_sparse
         optimizer.step()
         losses.append(loss.item())
+    return losses
+
+
+def test_a_sparse_bucket_is_averaged_by_the_process_group_beside_quantized_ones(
+    exact_aggregator: str, group: None
+) -> None:
+    state = GradqHookState(exact_aggregator, CONFIG, error_feedback=True, job_id="ef-sparse")
+    losses = _train_bag(state)
     assert losses[-1] < 0.8 * losses[0]
     assert state.step == 12  # the sparse bucket still closes the step when it is the last one
     stats = state.stats()
     assert stats is not None and stats.bytes_sent > 0  # the dense head went through the aggregator
+    state.close()
+
+
+def test_a_sparse_bucket_under_the_allgather_fallback_is_allreduced(group: None) -> None:
+    # The allgather hook quantizes dense buckets; a sparse one goes to the process group, as in gradq mode.
+    state = GradqHookState(f"127.0.0.1:{free_port()}", CONFIG, fallback="allgather", connect_timeout_s=0.5)
+    losses = _train_bag(state)
+    assert state.mode == "allgather" and losses[-1] < 0.8 * losses[0]
     state.close()
