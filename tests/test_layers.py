@@ -26,6 +26,8 @@ CASES = [
     ("gradq.client.config", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     # the session is torch's side of the client; it never reaches up into an adapter
     ("gradq.client.session", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
+    # the FSDP adapter stands on the session beside the DDP adapter, never on it
+    ("gradq.client.fsdp", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
     # `gradq worker` checks its settings and its aggregator before it pays for torch.
     ("gradq.client.apps.cluster", ("torch", "gradq.server")),
     ("gradq.client.integrations.accelerate", ("gradq.server", "accelerate", "transformers")),

@@ -264,6 +264,16 @@ class ParameterResiduals:
             )
         self._loose, self._loaded = loose, described
 
+    # -- by round key: for adapters whose tensors do not lay parameters end to end (FSDP's shards) -----
+
+    def read(self, key: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The residual of the tensor pushed whole under ``key``, as float32 on the host; None if it has none."""
+        return self._read_segment(key, numel, device)
+
+    def write(self, key: int, residual: torch.Tensor, device: torch.device) -> None:
+        """Make ``residual`` (flat) the error feedback of the tensor pushed whole under ``key`` on ``device``."""
+        self._write_segment(key, residual.detach().reshape(-1).float().cpu(), device)
+
     # -- where the client keeps them -----------------------------------------------------------------
     # One store per array library, by round key: tensors quantized on their device keep
     # theirs there, host arrays in numpy. The client says which keys carry a segment.

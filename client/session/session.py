@@ -97,12 +97,18 @@ class GradqSession:
         self._membership = Membership(self, client) if client is not None else None
 
     @classmethod
-    def connect(cls, config: GradqConfig, group: dist.ProcessGroup | None = None) -> GradqSession:
+    def connect(
+        cls, config: GradqConfig, group: dist.ProcessGroup | None = None, host: HostGroup | None = None
+    ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
         Collective over ``group`` (None: the default group). Every connect is a
         new incarnation of the job (rank 0 draws it), so a rerun or a torchrun
         restart with the same job id starts the job afresh.
+
+        ``host`` is this rank's member, when the adapter placed it itself (FSDP:
+        the host's ranks push their own shards as one member, no local
+        collective); None finds the hosts from the launcher (DDP).
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -113,22 +119,28 @@ class GradqSession:
         assert group is not None, "torch.distributed is not initialized"
         job_id, incarnation = draw_run_names(group, config.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
-        if config.elastic_hosts:
+        if host is not None:
+            if config.elastic_hosts:
+                raise ValueError(f"elastic_hosts={config.elastic_hosts}: this adapter's jobs are not elastic yet")
+            job_ranks = host.hosts * host.local_size
+        elif config.elastic_hosts:
             host = elastic_host(group, config.elastic_hosts, config.timeout_s)
             job_ranks = config.elastic_hosts * host.local_size
         else:
             host = find_host_group(group, config.host_grouping, config.host, os.environ, config.timeout_s)
             job_ranks = dist.get_world_size(group)
 
+        placed = host  # narrowed for the closure
+
         def client_for(rank: int, run: str) -> WorkerClient:
             return WorkerClient(
                 list(config.addresses),
                 job_id,
                 rank,
-                host.hosts,
+                placed.hosts,
                 config.quant,
                 elastic=bool(config.elastic_hosts),
-                ranks=host.local_size,
+                ranks=placed.local_size,
                 job_ranks=job_ranks,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
