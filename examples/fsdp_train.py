@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from gradq.client.config import GradqConfig
 from gradq.client.fsdp import GradqFSDP, use_gradq
@@ -50,8 +51,9 @@ BATCH = 8  # sequences per rank and micro-batch
 class CharTransformer(nn.Module):
     """A pre-norm causal transformer language model over ASCII characters."""
 
-    def __init__(self, width: int = 64, layers: int = 2, heads: int = 4) -> None:
+    def __init__(self, width: int = 64, layers: int = 2, heads: int = 4, recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute  # activation checkpointing: blocks recompute their activations in backward
         self.embed = nn.Embedding(VOCABULARY, width)
         self.position = nn.Parameter(torch.randn(CONTEXT, width) * 0.02)
         self.blocks = nn.ModuleList(
@@ -68,7 +70,10 @@ class CharTransformer(nn.Module):
         hidden = self.embed(tokens) * math.sqrt(self.embed.embedding_dim) + self.position
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
         for block in self.blocks:
-            hidden = block(hidden, src_mask=mask, is_causal=True)
+            if self.recompute:
+                hidden = checkpoint(block, hidden, src_mask=mask, is_causal=True, use_reentrant=False)
+            else:
+                hidden = block(hidden, src_mask=mask, is_causal=True)
         return self.head(self.norm(hidden))
 
 
@@ -107,6 +112,7 @@ def main() -> None:
     parser.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--width", type=int, default=64, help="the model's width")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="blocks recompute in backward")
     parser.add_argument("--checkpoint", type=Path, help="torch.distributed.checkpoint directory")
     parser.add_argument("--save-at", type=int, default=-1, help="save after this step and exit; -1 never")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
@@ -118,7 +124,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (args.hosts, world // args.hosts), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)  # every host starts from the same weights
     model = shard(
-        CharTransformer(args.width, args.layers),
+        CharTransformer(args.width, args.layers, recompute=args.activation_checkpointing),
         mesh if args.native else mesh["shard"],
         getattr(torch, args.reduce_dtype),
     )
@@ -128,9 +134,10 @@ def main() -> None:
     start = 0
     if args.resume:
         start = resume(args.checkpoint, model, optimizer, reduction)
-    losses, step_s = [], []
+    losses, step_s, step_cpu_s = [], [], []
+    started_at = time.time()
     for step in range(start, args.steps):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         loss_sum = 0.0
         for micro in range(args.micro_batches):
             cast(FSDPModule, model).set_requires_gradient_sync(micro == args.micro_batches - 1)
@@ -142,6 +149,7 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss_sum)
         step_s.append(time.perf_counter() - began)
+        step_cpu_s.append(time.process_time() - began_cpu)  # every thread of this rank: gRPC's and gloo's too
         if step + 1 == args.save_at and args.checkpoint is not None:
             save(args.checkpoint, step + 1, model, optimizer, reduction)
             break
@@ -149,7 +157,8 @@ def main() -> None:
         inputs, targets = windows(held_out, np.random.default_rng(12345), 64)
         held_out_loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
     if args.report is not None:
-        report(args.report, rank, model, reduction, losses, held_out_loss, step_s)
+        times = {"started_at": started_at, "step_s": step_s, "step_cpu_s": step_cpu_s}
+        report(args.report, rank, model, reduction, losses, held_out_loss, times)
     if rank == 0:
         print(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {held_out_loss:.4f}")
     if reduction is not None:
@@ -186,11 +195,11 @@ def report(
     reduction: GradqFSDP | None,
     losses: list[float],
     held_out_loss: float,
-    step_s: list[float],
+    times: dict[str, object],
 ) -> None:
     """rank<R>.json (losses, figures) and rank<R>.pt (this rank's local shards)."""
     directory.mkdir(parents=True, exist_ok=True)
-    figures: dict[str, object] = {"losses": losses, "held_out_loss": held_out_loss, "step_s": step_s}
+    figures: dict[str, object] = {"losses": losses, "held_out_loss": held_out_loss, **times}
     if reduction is not None:
         stats = reduction.stats()
         traveled, waited = reduction.overlap()

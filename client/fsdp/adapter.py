@@ -116,7 +116,7 @@ class GradqFSDP:
         self.session, self.units, self.hosts = session, units, hosts
         self.steps = [0] * len(units)  # each unit's next round
         self._landing: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
-        self._finish_queued = False
+        self._step_open = False  # a unit reduced since the last end of backward
         self._replicas: dist.ProcessGroup | None = None
         self._lock = threading.Lock()
         self._travel_s = 0.0  # seconds from each push to its mean landing, summed
@@ -140,7 +140,8 @@ class GradqFSDP:
             started = time.perf_counter()
             future = self.session.reduce(shard, step, key)
             future.add_done_callback(lambda _: self._traveled(time.perf_counter() - started))
-            if unit.fills_in_place(shard) and self._queue_finish():
+            self._step_open = True
+            if self._queue_finish() and unit.fills_in_place(shard):
                 self._landing.append((future, shard))
             else:
                 self._land(future, shard)
@@ -148,19 +149,23 @@ class GradqFSDP:
         return hook
 
     def _queue_finish(self) -> bool:
-        """Make sure the end of this backward waits for every mean; False outside a backward pass."""
-        if self._finish_queued:
-            return True
+        """Make the end of this backward wait for every mean; False outside a backward pass.
+
+        Every hook queues its own callback, and the first to run lands them
+        all: a backward that raised before its callbacks ran leaves nothing
+        armed that a later backward could miss.
+        """
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         except RuntimeError:  # not inside backward (a hook called by hand): the caller waits
             return False
-        self._finish_queued = True
         return True
 
     def _finish(self) -> None:
         """End of backward: every unit's mean is in its shard before ``loss.backward()`` returns."""
-        landing, self._landing, self._finish_queued = self._landing, [], False
+        if not self._step_open:
+            return  # an earlier callback of this backward ended it
+        landing, self._landing, self._step_open = self._landing, [], False
         failure: BaseException | None = None
         for future, shard in landing:
             try:

@@ -131,6 +131,23 @@ def test_hosts_hold_identical_shards_track_native_hsdp_and_push_one_model_copy_p
     got = received_bytes(aggregator, "fsdp-8bit")
     assert predicted <= got <= predicted * 1.1, (got, predicted)
     assert sum(rank.figures["bytes_sent"] for rank in gradq) >= got  # what the ranks sent includes the framing
+    # fp32 shards become the gradients themselves: their means land while backward computes the units before.
+    for rank in gradq:
+        assert rank.figures["waited_s"] < rank.figures["traveled_s"]
+
+
+def test_bf16_reductions_and_activation_checkpointing_track_native_hsdp(
+    aggregator: AggregatorServer, tmp_path: Path
+) -> None:
+    # The shard arrives in bf16 and FSDP casts it to the parameters' fp32 right after the hook: the hook waits.
+    common = ("--steps", str(STEPS), "--reduce-dtype", "bfloat16", "--activation-checkpointing")
+    gradq = train(aggregator, tmp_path / "gradq", "fsdp-bf16", *common)
+    native = train(aggregator, tmp_path / "native", "unused", *common, "--native")
+
+    assert_hosts_identical(gradq)
+    for mine, reference in zip(gradq[0].figures["losses"], native[0].figures["losses"], strict=True):
+        assert abs(mine - reference) <= 0.01 * reference
+    assert gradq[0].figures["waited_s"] == pytest.approx(gradq[0].figures["traveled_s"], rel=0.5)
 
 
 def test_checkpoint_resumes_exactly_error_feedback_included(aggregator: AggregatorServer, tmp_path: Path) -> None:
