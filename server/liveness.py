@@ -40,6 +40,7 @@ class MemberWatch:
 
     job: Job
     rank: int
+    tenure: int  # the member's holder this stream vouches for (gradq.server.membership)
 
 
 class Liveness:
@@ -85,7 +86,7 @@ class Liveness:
                     )
                 self._open += 1
             job.watches += 1
-        return MemberWatch(job, rank)
+        return MemberWatch(job, rank, job.members.tenure(rank))
 
     def close(self, watch: MemberWatch) -> None:
         """A Watch ended; unless its rank left first (or the server is stopping), the rank is lost."""
@@ -94,7 +95,7 @@ class Liveness:
             with self._lock:
                 self._open -= 1
             job.watches -= 1
-            if jobs.closing or job.retired or not job.members.lose(rank, LOST_REASON):
+            if jobs.closing or job.retired or not job.members.lose(rank, LOST_REASON, watch.tenure):
                 return
             left = len(job.members.joined)
         log.warning("rank %d of %s is lost (%d members left): %s", rank, job.describe(), left, LOST_REASON)

@@ -64,6 +64,11 @@ class Membership:
     lost: dict[int, str] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)  # elastic: newcomer -> ranks, until it has the state
     dropped: set[int] = field(default_factory=set)  # elastic: members lost and dropped; a Join clears it
+    # Member -> its tenure: a number drawn anew whenever an id is taken by a holder that was not a member
+    # (a first Join, or one after a Leave or a loss). A Watch vouches for the tenure it opened under, so
+    # the end of a former holder's stream never hits the id's new holder.
+    tenures: dict[int, int] = field(default_factory=dict)
+    _tenures_drawn: int = 0
 
     # -- who is a member ------------------------------------------------------------------
 
@@ -121,6 +126,9 @@ class Membership:
             )
         self._check_ranks_add_up(rank, ranks, describe)
         rejoined = rank in self.joined or rank in self.pending
+        if not rejoined:
+            self._tenures_drawn += 1
+            self.tenures[rank] = self._tenures_drawn
         if self.elastic and self.formed and rank not in self.joined:
             self.pending[rank] = ranks  # trains only once it has the state (gradq.server.state_relay)
         else:
@@ -167,13 +175,19 @@ class Membership:
         self.pending.pop(rank, None)
         return True
 
-    def lose(self, rank: int, reason: str) -> bool:
+    def tenure(self, rank: int) -> int:
+        """The tenure ``rank``'s current holder took the id under (0: never held)."""
+        return self.tenures.get(rank, 0)
+
+    def lose(self, rank: int, reason: str, tenure: int | None = None) -> bool:
         """``rank``'s Watch stream ended without a Leave; returns whether it was a member.
 
+        ``tenure`` is the one the stream vouched for: the loss of an id's
+        former holder (None: whoever holds it now) does not touch its new one.
         An elastic job drops it (the others go on); a fixed job remembers why,
         and its rounds that wait on it cannot complete until it rejoins.
         """
-        if not self.holds(rank, pending_ok=True):
+        if not self.holds(rank, pending_ok=True) or (tenure is not None and tenure != self.tenure(rank)):
             return False
         if self.elastic:
             self.joined.discard(rank)

@@ -28,6 +28,7 @@ CASES = [
     ("gradq.client.session", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
     # the FSDP adapter stands on the session beside the DDP adapter, never on it
     ("gradq.client.fsdp", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
+    ("gradq.client.diloco", ("gradq.server", "gradq.client.ddp", "gradq.client.apps", "gradq.client.integrations")),
     # `gradq worker` checks its settings and its aggregator before it pays for torch.
     ("gradq.client.apps.cluster", ("torch", "gradq.server")),
     ("gradq.client.integrations.accelerate", ("gradq.server", "accelerate", "transformers")),

@@ -8,7 +8,9 @@ from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.errors import RoundAbortedError
-from gradq.server.membership import ANY_RANK
+from gradq.server.limits import ServiceLimits
+from gradq.server.liveness import Liveness
+from gradq.server.membership import ANY_RANK, Membership
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 from gradq.server.state_relay import StateHeader, StateRelays
@@ -47,3 +49,41 @@ def test_a_partial_round_at_its_deadline_names_the_live_members_that_did_not_pus
     clock[0] = 1.0
     result = wait(table, ticket)
     assert result.partial and result.missing == (2,) and result.contributors == (1,)
+
+
+def watching_table() -> tuple[RoundTable, Liveness]:
+    table = RoundTable(RoundPolicy(round_timeout_s=30.0))
+    return table, Liveness(table, ServiceLimits())
+
+
+def members_of(table: RoundTable, job_id: str) -> Membership:
+    return next(job.members for job in table.jobs.all() if job.job_id == job_id)
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_former_holders_watch_ending_never_hits_the_member_that_took_its_id(elastic: bool) -> None:
+    table, liveness = watching_table()
+    for member in (0, 1):
+        table.join("reuse", ANY_RANK if elastic else member, 2, "run", elastic=elastic)
+    former = liveness.open("reuse", 1, "run")
+    # The order of events the issue saw: member 1 leaves, a new holder joins as 1, then the old stream ends.
+    table.leave("reuse", 1, "run")
+    assert table.join("reuse", ANY_RANK if elastic else 1, 2, "run", elastic=elastic).rank == 1
+    liveness.close(former)
+    members = members_of(table, "reuse")
+    assert members.holds(1, pending_ok=True) and 1 not in members.lost and 1 not in members.dropped
+
+    # The new holder's own stream ending is its loss, as before.
+    current = liveness.open("reuse", 1, "run")
+    liveness.close(current)
+    assert not members.holds(1, pending_ok=True) if elastic else 1 in members.lost
+
+
+def test_every_rank_of_a_host_watches_the_same_tenure_of_its_member() -> None:
+    table, liveness = watching_table()
+    for _ in range(2):  # a host's two ranks join as member 0, one after the other: a rejoin keeps the tenure
+        table.join("host", 0, 1, "run")
+    watches = [liveness.open("host", 0, "run") for _ in range(2)]
+    assert watches[0].tenure == watches[1].tenure != 0
+    liveness.close(watches[0])  # either rank's process exiting is the member's loss
+    assert 0 in members_of(table, "host").lost

@@ -1,0 +1,295 @@
+"""DiLoCo through gradq: hosts take ``sync_every`` local steps, then average their pseudo-gradients once.
+
+DiLoCo (Douillard et al., arXiv 2311.08105) trades per-step averaging for an
+outer step every H inner steps: each host trains its own copy of the model
+with its inner optimizer (AdamW, say) on its own data, then every host pushes
+its *pseudo-gradient* (the global parameters minus its local ones), the mean
+of those becomes the gradient of an outer optimizer (Nesterov SGD), and every
+host starts the next H steps from the new global parameters. The link carries
+one compressed copy of the model each way per H steps instead of per step.
+
+How it runs here:
+
+- Each host is one member of an elastic gradq job (``elastic_hosts`` is the
+  number of hosts the job starts with): a single process, or a DDP group
+  inside the host (the inner steps use the host's own collectives; its ranks
+  reduce the pseudo-gradient together and push one copy, as two-level
+  aggregation does). Only outer rounds cross the slow link.
+- Outer round r is step r of the job; the model's trainable parameters are
+  laid end to end in buckets of at most ``bucket_elements``, bucket k is round
+  key k. Pseudo-gradients are compressed with the session's grid and error
+  feedback (per parameter, kept across rounds and checkpoints).
+- The aggregator averages; every host applies the same mean to the same
+  global parameters with the same outer optimizer, so all hosts hold
+  bit-identical global parameters after every outer round.
+- A host lost mid-round is dropped by the aggregator, which finishes the round
+  over the others. A host that joins later receives the global state (the
+  global parameters, the outer optimizer, the round counters, its model and
+  inner optimizer) from a live host at the next outer-round boundary, through
+  the aggregator, and is bit-identical from there on.
+
+The outer step runs on the hosts; the aggregator only averages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradq.client.config import GradqConfig
+from gradq.client.elastic import JobWorld
+from gradq.client.session import GradqSession
+from gradq.client.session.elastic import check_shareable, receive_training_state, serve_joiners
+from gradq.client.stats import ClientStats
+
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "DiLoCo", "default_outer_optimizer"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4M elements (16 MiB of fp32) per round key: rounds pipeline, memory stays flat
+
+
+def default_outer_optimizer(parameters: Iterator[nn.Parameter] | Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """torchtitan's DiLoCo outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
+    return torch.optim.SGD(parameters, lr=0.7, momentum=0.9, nesterov=True)
+
+
+class DiLoCo:
+    """A training loop's outer rounds through gradq (see the module docstring); a context manager.
+
+    Usage, the loop otherwise unchanged::
+
+        with DiLoCo(GradqConfig.from_env(), model, inner_optimizer, sync_every=50):
+            for inputs, targets in batches:
+                loss_fn(model(inputs), targets).backward()
+                inner_optimizer.step()
+                inner_optimizer.zero_grad()
+
+    Args:
+        config: the job's configuration; ``elastic_hosts`` is the number of
+            hosts it starts with, and every host names the same job id.
+        model: this host's model (a DDP module inside a host of several ranks).
+        inner_optimizer: the optimizer of the local steps; every ``sync_every``
+            of its steps end with an outer round.
+        outer_optimizer: over ``model``'s parameters; None: ``default_outer_optimizer``.
+        sync_every: H, the inner steps between outer rounds.
+        process_group: the host's ranks (None: the default group of its own launch).
+        bucket_elements: the most elements one round key carries.
+
+    Raises:
+        ValueError: ``sync_every`` < 1, ``bucket_elements`` < 1, ``elastic_hosts`` unset,
+            or an outer optimizer over other parameters than the model's.
+    """
+
+    def __init__(
+        self,
+        config: GradqConfig,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer | None = None,
+        sync_every: int = 50,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+    ) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} is invalid; expected an integer >= 1 (inner steps per round)")
+        if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 1:
+            raise ValueError(f"bucket_elements={bucket_elements!r} is invalid; expected an integer >= 1")
+        if not config.elastic_hosts:
+            raise ValueError(
+                "elastic_hosts=0: DiLoCo's hosts are the members of an elastic job; set elastic_hosts "
+                "(GRADQ_ELASTIC_HOSTS) to the number of hosts the job starts with"
+            )
+        self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
+        self.parameters = [param for param in model.parameters() if param.requires_grad]
+        self.outer_optimizer = outer_optimizer or default_outer_optimizer(self.parameters)
+        _check_outer_optimizer(self.outer_optimizer, self.parameters)
+        self.sync_every, self.process_group = sync_every, process_group
+        self.buckets = _buckets(self.parameters, bucket_elements)
+        # The global parameters: where every host started this outer round from.
+        self.global_parameters = [param.detach().clone() for param in self.parameters]
+        self.outer_round = 0  # the next outer round: the job's step
+        self.inner_steps = 0  # inner steps taken, in all
+        self.session: GradqSession | None = None
+        self._hook: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def __enter__(self) -> DiLoCo:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def start(self) -> int:
+        """Join the job (collective over the host's ranks); a joining host receives the global state first.
+
+        Returns:
+            The outer round this host trains towards: 0 for a host that starts
+            the job, the live hosts' next round for one that joins it.
+        """
+        if self.session is None:
+            self.session = GradqSession.connect(self.config, self.process_group)
+            if self.session.mode != "gradq":
+                raise RuntimeError(
+                    f"DiLoCo cannot fall back ({self.session.mode!r}): its hosts have no common process group "
+                    f"across the link; start the aggregator, or set fallback='error' to be told at once"
+                )
+            self.outer_round = receive_training_state(self.session, self._shared(), self.outer_round)
+            self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        return self.outer_round
+
+    def close(self) -> None:
+        """Stop syncing and leave the job; idempotent."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.session is not None:
+            self.session.close()
+
+    # -- the outer round --------------------------------------------------------------------------
+
+    def _after_inner_step(self, *_: Any) -> None:
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """One outer round now: push the pseudo-gradients, apply the mean with the outer optimizer.
+
+        Called by the inner optimizer's step every ``sync_every`` steps; call it
+        by hand only for an extra round every host takes at the same point.
+
+        Raises:
+            AggregationError: the round failed (the message names it and why).
+        """
+        session = self._connected()
+        step = self.outer_round
+        means = []
+        for key, (begin, end) in enumerate(self.buckets):
+            params = self.parameters[begin:end]
+            pseudo = torch.cat(
+                [
+                    (start.float() - param.detach().float()).reshape(-1)
+                    for param, start in zip(params, self.global_parameters[begin:end], strict=True)
+                ]
+            )
+            means.append((begin, end, session.reduce(pseudo, step, key, parameters=params)))
+        session.end_step()
+        for begin, end, future in means:  # every bucket is in flight before the first wait
+            mean, offset = future.wait(), 0
+            for param, start in zip(self.parameters[begin:end], self.global_parameters[begin:end], strict=True):
+                param.copy_(start)  # back to where every host started
+                param.grad = mean[offset : offset + param.numel()].view_as(param).to(param.dtype)
+                offset += param.numel()
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        for param, start in zip(self.parameters, self.global_parameters, strict=True):
+            start.copy_(param)
+        self.outer_round = step + 1
+        # The boundary a joiner enters at: the model holds the new global parameters.
+        serve_joiners(session, self._shared(), self.outer_round)
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer loop's state for a checkpoint: rounds, global parameters, outer optimizer, error feedback.
+
+        The model and the inner optimizer are checkpointed beside it as usual.
+        """
+        session = self.session
+        return {
+            **_GlobalState(self).state_dict(),
+            "residuals": session.residuals.state_dict() if session is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back ``state_dict()``'s output (before or after ``start()``).
+
+        Raises:
+            ValueError: a key is missing, or the global parameters differ in number or shape.
+        """
+        _GlobalState(self).load_state_dict(state)
+        residuals = state.get("residuals", {})
+        if residuals:
+            session = self._connected()
+            session.residuals.load_state_dict(residuals)
+
+    def world(self) -> JobWorld | None:
+        """The job's hosts now and the ranks they stand for, as last announced."""
+        return self.session.world() if self.session is not None else None
+
+    def stats(self) -> ClientStats | None:
+        """The worker client's figures (bytes each way, rounds)."""
+        return self.session.stats() if self.session is not None else None
+
+    def _shared(self) -> list[Any]:
+        """What a joining host receives: the outer loop's state, the model, the inner optimizer."""
+        return check_shareable([_GlobalState(self), self.model, self.inner_optimizer])
+
+    def _connected(self) -> GradqSession:
+        if self.session is None:
+            raise RuntimeError("DiLoCo is not started; use it as a context manager or call start() first")
+        return self.session
+
+
+class _GlobalState:
+    """The part of DiLoCo every host holds alike: what a joiner receives (error feedback is each host's own)."""
+
+    def __init__(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
+
+    def state_dict(self) -> dict[str, Any]:
+        diloco = self.diloco
+        return {
+            "outer_round": diloco.outer_round,
+            "inner_steps": diloco.inner_steps,
+            "global_parameters": [start.clone() for start in diloco.global_parameters],
+            "outer_optimizer": diloco.outer_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        diloco = self.diloco
+        missing = sorted({"outer_round", "inner_steps", "global_parameters", "outer_optimizer"} - set(state))
+        if missing:
+            raise ValueError(f"state lacks {', '.join(missing)}; expected the output of DiLoCo.state_dict()")
+        saved = state["global_parameters"]
+        shapes = [tuple(start.shape) for start in diloco.global_parameters]
+        if [tuple(start.shape) for start in saved] != shapes:
+            raise ValueError(
+                f"state['global_parameters'] holds {len(saved)} tensors of shapes "
+                f"{[tuple(start.shape) for start in saved][:4]}...; expected {len(shapes)} of {shapes[:4]}..."
+            )
+        for start, value in zip(diloco.global_parameters, saved, strict=True):
+            start.copy_(value)
+        diloco.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        diloco.outer_round, diloco.inner_steps = int(state["outer_round"]), int(state["inner_steps"])
+
+
+def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:
+    """[begin, end) runs of ``parameters`` of at most ``limit`` elements each (a larger parameter alone)."""
+    buckets, begin, size = [], 0, 0
+    for index, param in enumerate(parameters):
+        if size and size + param.numel() > limit:
+            buckets.append((begin, index))
+            begin, size = index, 0
+        size += param.numel()
+    if size or begin < len(parameters):
+        buckets.append((begin, len(parameters)))
+    return buckets
+
+
+def _check_outer_optimizer(optimizer: torch.optim.Optimizer, parameters: Sequence[nn.Parameter]) -> None:
+    held = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    if held != {id(param) for param in parameters}:
+        raise ValueError(
+            f"outer_optimizer holds {len(held)} parameters, the model {len(parameters)} trainable ones; "
+            "expected an optimizer over exactly the model's parameters (default_outer_optimizer(model.parameters()))"
+        )

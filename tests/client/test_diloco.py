@@ -1,0 +1,166 @@
+"""DiLoCo through a real aggregator: hosts as real processes (examples/diloco_train.py), H=10 inner steps per round.
+
+Each host is one process with a process group of its own, training the
+character transformer on its own data; the aggregator averages the hosts'
+4-bit pseudo-gradients (with error feedback) once per outer round. Every host
+reports the digest of its global parameters after each round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.policy import RoundPolicy
+
+pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "diloco_train.py"
+SYNC_EVERY = 10
+RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def aggregator() -> Iterator[AggregatorServer]:
+    # The hosts' error feedback is what a checkpoint carries; the aggregator's own would restart from zero.
+    policy = RoundPolicy(round_timeout_s=60.0, server_error_feedback=False)
+    server = AggregatorServer(policy, ServerOptions("127.0.0.1:0"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@dataclass
+class Host:
+    figures: dict[str, Any]
+    global_parameters: list[torch.Tensor]
+
+
+def start(
+    aggregator: AggregatorServer, job_id: str, seed: int, out: Path, *args: str, hosts: int = 3
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "GRADQ_AGGREGATORS": f"127.0.0.1:{aggregator.port}",
+        "GRADQ_JOB_ID": job_id,
+        "GRADQ_ELASTIC_HOSTS": str(hosts),
+        "GRADQ_BITS": "4",
+        "GRADQ_ERROR_FEEDBACK": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, str(EXAMPLE), "--data-seed", str(seed), "--sync-every", str(SYNC_EVERY)]
+    log = (out / f"host{seed}.log").open("w")
+    return subprocess.Popen(
+        [*command, "--report", str(out), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+    )
+
+
+def finish(processes: Sequence[subprocess.Popen[bytes]], out: Path, seeds: Sequence[int]) -> list[Host]:
+    codes = [process.wait(timeout=RUN_TIMEOUT_S) for process in processes]
+    assert codes == [0] * len(processes), "\n".join((out / f"host{seed}.log").read_text()[-3000:] for seed in seeds)
+    return [
+        Host(json.loads((out / f"host{seed}.json").read_text()), torch.load(out / f"host{seed}.pt")) for seed in seeds
+    ]
+
+
+def train(aggregator: AggregatorServer, job_id: str, out: Path, *args: str) -> list[Host]:
+    out.mkdir(parents=True, exist_ok=True)
+    return finish([start(aggregator, job_id, seed, out, *args) for seed in range(3)], out, range(3))
+
+
+def assert_identical(hosts: Sequence[Host]) -> None:
+    for host in hosts[1:]:
+        for mine, theirs in zip(hosts[0].global_parameters, host.global_parameters, strict=True):
+            assert torch.equal(mine, theirs)
+
+
+def test_every_outer_round_leaves_the_hosts_bit_identical(aggregator: AggregatorServer, tmp_path: Path) -> None:
+    rounds = 5
+    hosts = train(aggregator, "diloco-sync", tmp_path, "--rounds", str(rounds))
+
+    digests = [host.figures["digests"] for host in hosts]
+    assert sorted(digests[0], key=int) == [str(round_) for round_ in range(1, rounds + 1)]
+    assert digests[0] == digests[1] == digests[2]  # after every round, not only the last
+    assert_identical(hosts)
+    assert len(set(digests[0].values())) == rounds  # the global parameters moved every round
+    losses = hosts[0].figures["losses"]
+    assert sum(losses[-SYNC_EVERY:]) < sum(losses[:SYNC_EVERY]) - 0.5 * SYNC_EVERY  # it learns
+    # One 4-bit copy of the model each way per outer round, not per inner step.
+    parameters = sum(values.numel() for values in hosts[0].global_parameters)
+    per_round = hosts[0].figures["bytes_sent"] / rounds
+    assert parameters * 4 / 8 <= per_round <= parameters * 4 / 8 * 1.25
+
+
+def test_a_checkpoint_resumes_exactly(aggregator: AggregatorServer, tmp_path: Path) -> None:
+    # Two hosts: the aggregator sums contributions in the order they arrive, and a sum of two is the same in
+    # either order, so two runs of the same rounds agree bit for bit (with three, only to fp32 rounding).
+    seeds = range(2)
+
+    def run(job_id: str, out: Path, *args: str) -> list[Host]:
+        out.mkdir()
+        return finish(
+            [start(aggregator, job_id, seed, out, "--rounds", "4", *args, hosts=2) for seed in seeds], out, seeds
+        )
+
+    whole = run("diloco-whole", tmp_path / "whole")
+    checkpoint = [f"{tmp_path}/checkpoint{seed}.pt" for seed in seeds]
+    processes = []
+    (tmp_path / "first").mkdir()
+    for seed in seeds:
+        saving = ("--rounds", "4", "--save-at-round", "2", "--checkpoint", checkpoint[seed])
+        processes.append(start(aggregator, "diloco-resumed", seed, tmp_path / "first", *saving, hosts=2))
+    finish(processes, tmp_path / "first", seeds)
+    processes = []
+    (tmp_path / "second").mkdir()
+    for seed in seeds:
+        resuming = ("--rounds", "4", "--resume", "--checkpoint", checkpoint[seed])
+        processes.append(start(aggregator, "diloco-resumed", seed, tmp_path / "second", *resuming, hosts=2))
+    resumed = finish(processes, tmp_path / "second", seeds)
+
+    for uninterrupted, again in zip(whole, resumed, strict=True):
+        assert again.figures["losses"] == uninterrupted.figures["losses"][2 * SYNC_EVERY :]
+        later = {key: value for key, value in uninterrupted.figures["digests"].items() if int(key) > 2}
+        assert again.figures["digests"] == later
+        for mine, theirs in zip(uninterrupted.global_parameters, again.global_parameters, strict=True):
+            assert torch.equal(mine, theirs)
+
+
+def test_a_host_killed_mid_round_is_dropped_and_a_later_joiner_is_identical_after_its_first_round(
+    aggregator: AggregatorServer, tmp_path: Path
+) -> None:
+    rounds = 30
+    common = ("--rounds", str(rounds), "--step-delay", "0.01")
+    progress = tmp_path / "progress"
+    processes = [
+        start(aggregator, "diloco-elastic", 0, tmp_path, *common, "--progress", str(progress)),
+        start(aggregator, "diloco-elastic", 1, tmp_path, *common),
+        start(aggregator, "diloco-elastic", 2, tmp_path, *common, "--die-in-round", "2"),
+    ]
+    assert processes[2].wait(timeout=RUN_TIMEOUT_S) == -9  # SIGKILLed during round 2
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
+        assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
+        time.sleep(0.1)
+    joiner = start(aggregator, "diloco-elastic", 3, tmp_path, *common)
+    hosts = finish([processes[0], processes[1], joiner], tmp_path, (0, 1, 3))
+
+    assert hosts[0].figures["outer_round"] == hosts[1].figures["outer_round"] == rounds  # the survivors went on
+    assert hosts[0].figures["digests"] == hosts[1].figures["digests"]
+    joined_at = hosts[2].figures["joined_at_round"]
+    assert 4 <= joined_at < rounds
+    # From its first outer round on, the joiner's global parameters are the others', bit for bit.
+    after = {key: value for key, value in hosts[0].figures["digests"].items() if int(key) > joined_at}
+    assert hosts[2].figures["digests"] == after
+    assert_identical(hosts)
