@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradq.client.apps.training import load_digits_split
 
 __all__ = ["Task", "TASKS", "CharTransformer", "DigitsConvNet"]
 
@@ -160,6 +159,8 @@ _SOURCE: list[tuple[np.ndarray, np.ndarray]] = []
 
 def _digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     if seed not in _DIGITS:
+        from gradq.client.apps.training import load_digits_split  # here: the language tasks run without gradq
+
         _DIGITS[seed] = load_digits_split(seed)
     return _DIGITS[seed]
 
