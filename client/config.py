@@ -56,7 +56,11 @@ class GradqConfig:
             ranks given the same name reduce together (None: the launcher's).
         elastic_hosts: 0 for a fixed job; N > 0 makes the job elastic (see
             gradq.client.session.elastic): it starts training once N hosts
-            have joined, and hosts may then be lost and join.
+            have joined, and hosts may then be lost and join. N is the start
+            quorum, not a size: more hosts may join, up to ``elastic_max_hosts``.
+        elastic_max_hosts: elastic: the most hosts the job holds at once; a
+            host that would pass it is refused at its Join, naming the cap
+            (0: no cap but the aggregator's --max-world-size).
         bit_policy: "uniform" pushes every tensor on ``quant``; "adaptive"
             splits each at parameter boundaries and gives 1-D and
             hard-to-quantize parameters more bits, keeping each tensor's
@@ -82,6 +86,7 @@ class GradqConfig:
     host_grouping: str = "auto"
     host: str | None = None
     elastic_hosts: int = 0
+    elastic_max_hosts: int = 0
     bit_policy: str = "uniform"
     average_bits: float = DEFAULT_AVERAGE_BITS
 
@@ -113,6 +118,15 @@ class GradqConfig:
             raise ValueError("elastic_hosts needs job_id: independent hosts find their job by it")
         if hosts and len(addresses) != 1:
             raise ValueError(f"addresses={list(addresses)!r}: an elastic job runs on one aggregator shard")
+        cap = self.elastic_max_hosts
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0 or (cap and cap < max(hosts, 1)):
+            raise ValueError(
+                f"elastic_max_hosts={cap!r} is invalid; expected 0 (no cap) or an integer >= elastic_hosts={hosts}"
+                if hosts
+                else f"elastic_max_hosts={cap!r} is invalid; expected 0 (no cap) or an integer >= 1"
+            )
+        if cap and not hosts:
+            raise ValueError(f"elastic_max_hosts={cap} caps an elastic job; set elastic_hosts too (the start quorum)")
         if hosts and self.fallback != "error":
             raise ValueError(f"fallback={self.fallback!r}: an elastic host cannot fall back (it would train alone)")
         if self.bit_policy == "adaptive":

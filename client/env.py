@@ -67,6 +67,7 @@ HOOK_ENVIRONMENT = {
     "GRADQ_HOST": "this rank's host name: ranks with the same one reduce together first (unset: the launcher's)",
     "GRADQ_HOST_GROUPING": "auto (two-level where hosts hold several ranks) or flat",
     "GRADQ_ELASTIC_HOSTS": "0: a fixed job; N: an elastic job that starts once N hosts joined (needs GRADQ_JOB_ID)",
+    "GRADQ_ELASTIC_MAX_HOSTS": "elastic: the most hosts the job holds at once; a host past it is refused (0: no cap)",
     "GRADQ_BIT_POLICY": "uniform (every bucket on GRADQ_BITS) or adaptive (more bits for 1-D and hard parameters)",
     "GRADQ_AVERAGE_BITS": "the adaptive policy's most bits per element on average, GRADQ_BITS..8",
     "GRADQ_TLS_CA": "PEM CA of the aggregator's certificate: talk TLS",
@@ -86,6 +87,7 @@ _HOOK_ARGUMENTS = {
     "host": "GRADQ_HOST",
     "host_grouping": "GRADQ_HOST_GROUPING",
     "elastic_hosts": "GRADQ_ELASTIC_HOSTS",
+    "elastic_max_hosts": "GRADQ_ELASTIC_MAX_HOSTS",
     "bit_policy": "GRADQ_BIT_POLICY",
     "average_bits": "GRADQ_AVERAGE_BITS",
 }
@@ -227,6 +229,7 @@ HOOK_PARSERS: dict[str, Callable[[str], Any]] = {
     "GRADQ_HOST": str,
     "GRADQ_HOST_GROUPING": parse_host_grouping,
     "GRADQ_ELASTIC_HOSTS": parse_integer(0),
+    "GRADQ_ELASTIC_MAX_HOSTS": parse_integer(0),
     "GRADQ_BIT_POLICY": parse_bit_policy,
     "GRADQ_AVERAGE_BITS": parse_number(1, 8),
     "GRADQ_TLS_CA": parse_file,

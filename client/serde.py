@@ -36,10 +36,12 @@ def join_request(
     ranks: int = 1,
     elastic: bool = False,
     job_ranks: int = 0,
+    max_members: int = 0,
 ) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
 
-    ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member.
+    ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member;
+    ``max_members`` 0 puts no cap of its own on an elastic job's members.
     """
     return pb.JoinRequest(
         job_id=job_id,
@@ -49,6 +51,7 @@ def join_request(
         ranks=ranks,
         elastic=elastic,
         job_ranks=job_ranks,
+        max_members=max_members,
     )
 
 

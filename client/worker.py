@@ -94,6 +94,7 @@ class WorkerClient:
             gradq serve --world-size counts): the ranks the ``world_size``
             members stand for together. None: ``world_size``, one rank per member
             (the aggregator then does not check that the members' ``ranks`` add up).
+        max_members: elastic: the most members the job may hold at once (0: no cap of the job's own).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class WorkerClient:
         reconnect_timeout_s: float = 10.0,
         elastic: bool = False,
         job_ranks: int | None = None,
+        max_members: int = 0,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -143,6 +145,8 @@ class WorkerClient:
                 f"job_ranks={job_ranks!r} is invalid; expected an integer >= world_size={world_size} (at least one "
                 f"rank per member) or None"
             )
+        if isinstance(max_members, bool) or not isinstance(max_members, int) or max_members < 0:
+            raise ValueError(f"max_members={max_members!r} is invalid; expected an integer >= 0 (0: no cap)")
         if not reconnect_timeout_s > 0:
             raise ValueError(f"reconnect_timeout_s={reconnect_timeout_s} is invalid; expected > 0")
         if max_retries < 0:
@@ -153,6 +157,7 @@ class WorkerClient:
         self.world_size = world_size
         self.ranks = ranks
         self.job_ranks = job_ranks
+        self.max_members = max_members
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
@@ -208,7 +213,14 @@ class WorkerClient:
 
     def _join_shard(self, shard: int, patience: float | None = None) -> None:
         request = serde.join_request(
-            self.job_id, self.rank, self.world_size, self.incarnation, self.ranks, self.elastic, self.job_ranks or 0
+            self.job_id,
+            self.rank,
+            self.world_size,
+            self.incarnation,
+            self.ranks,
+            self.elastic,
+            self.job_ranks or 0,
+            self.max_members,
         )
         timeout = self.timeout_s if patience is None else patience
         try:

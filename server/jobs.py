@@ -120,6 +120,7 @@ class JobTable:
         ranks: int = 1,
         elastic: bool = False,
         job_ranks: int = 0,
+        max_members: int = 0,
     ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
@@ -131,15 +132,16 @@ class JobTable:
         member); it is what --world-size is checked against. ``elastic`` joins
         an elastic job: ``rank`` may be ANY_RANK, a Join into a live run adopts
         its incarnation, and a newcomer to a formed job is pending until it has
-        received the state (see gradq.server.membership).
+        received the state (see gradq.server.membership). ``max_members``
+        caps an elastic job's members at once (0: only --max-world-size does).
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
 
         Raises:
             InvalidArgumentError: bad job id, world size, job ranks, rank or ranks.
-            FailedPreconditionError: --world-size, world size, job ranks or a member's ranks
-                disagree, or the incarnation was superseded.
+            FailedPreconditionError: --world-size, world size, job ranks, the cap or a member's
+                ranks disagree, the incarnation was superseded, or an elastic job is at its cap.
             ResourceExhaustedError: --max-jobs jobs exist already, or ``peer`` has
                 started --max-jobs-per-peer of them.
             UnavailableError: the aggregator is shutting down.
@@ -181,7 +183,7 @@ class JobTable:
                 retired.append(self._forget(job, reason))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
                 # A restart keeps the job's slot with the host that started it: no host's count moves.
-                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic)
+                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic, max_members)
                 job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, superseded, job.creator)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
@@ -196,21 +198,23 @@ class JobTable:
                         f"(--max-jobs-per-peer={self.limits.max_jobs_per_peer}); idle jobs expire after "
                         f"--job-idle-timeout"
                     )
-                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic)
+                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic, max_members)
                 job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
-            job.members.check_join(world_size, job_ranks, ranks, job.describe)
+            job.members.check_join(world_size, job_ranks, ranks, job.describe, max_members)
             rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
             job.last_active = now
             joined = len(job.members.joined)
             pending = job.members.is_pending(rank)
+        cap = f", at most {job.members.max_members}" if job.members.max_members else ""
         log.info(
-            "%s %s %d of %d to %s (%d joined)",
+            "%s %s %d to %s (%d joined; it starts with %d%s)",
             "rejoin" if rejoined else "join",
             "pending member" if pending else "rank",
             rank,
-            world_size,
             job.describe(),
             joined,
+            world_size,
+            cap,
         )
         return job, retired, rank
 

@@ -56,6 +56,7 @@ class Membership:
     job_ranks: int  # the ranks the job has in all; its members stand for them
     job_ranks_given: bool = False  # the Joins said job_ranks (0 on the wire: world_size, not checked)
     elastic: bool = False
+    max_members: int = 0  # elastic: the most members at once, the user's cap (0: only --max-world-size)
     formed: bool = False  # elastic: world_size members have joined, so rounds wait for the members training
     joined: set[int] = field(default_factory=set)  # the members training
     # Member -> how many ranks it stands for (a host's under two-level aggregation; 1 by default).
@@ -72,7 +73,9 @@ class Membership:
 
     # -- who is a member ------------------------------------------------------------------
 
-    def check_join(self, world_size: int, job_ranks: int, ranks: int, describe: Callable[[], str]) -> None:
+    def check_join(
+        self, world_size: int, job_ranks: int, ranks: int, describe: Callable[[], str], max_members: int = 0
+    ) -> None:
         """Refuse a Join whose view of the job disagrees with this run's.
 
         Args:
@@ -80,9 +83,10 @@ class Membership:
             job_ranks: the Join's ranks in all (0: not given).
             ranks: the ranks the joining member stands for.
             describe: names the job, for messages.
+            max_members: the Join's cap on an elastic job's members (0: none).
 
         Raises:
-            FailedPreconditionError: world_size, job_ranks, or an elastic host's ranks disagree.
+            FailedPreconditionError: world_size, job_ranks, the cap, or an elastic host's ranks disagree.
         """
         if world_size != self.world_size:
             raise FailedPreconditionError(
@@ -92,6 +96,12 @@ class Membership:
             raise FailedPreconditionError(
                 f"job_ranks={job_ranks or world_size} does not match {describe()}, which has "
                 f"job_ranks={self.job_ranks} (the ranks of the whole job); every rank must say the same"
+            )
+        if max_members != self.max_members:
+            raise FailedPreconditionError(
+                f"elastic_max_hosts={max_members} does not match {describe()}, which holds at most "
+                f"{self.max_members or 'any number of'} hosts (elastic_max_hosts={self.max_members}); "
+                f"every host of a job must say the same"
             )
         held = set(self.ranks.values())
         if self.elastic and held and held != {ranks}:
@@ -117,6 +127,12 @@ class Membership:
                 the members stand for would not add up to ``job_ranks``.
             ResourceExhaustedError: an elastic job holds ``max_members`` ids already.
         """
+        taken = self.joined | self.pending.keys()
+        if self.max_members and rank not in taken and len(taken) >= self.max_members:
+            raise FailedPreconditionError(
+                f"elastic {describe()} holds {len(taken)} hosts, its most (elastic_max_hosts={self.max_members}); "
+                f"this host can join once one leaves or is lost"
+            )
         if rank == ANY_RANK:
             rank = self._lowest_free(max_members, describe)
         if self.ranks.get(rank, ranks) != ranks:

@@ -109,11 +109,13 @@ class RoundTable:
         ranks: int = 1,
         elastic: bool = False,
         job_ranks: int = 0,
+        max_members: int = 0,
     ) -> JoinAnswer:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Also for elastic members (``rank`` may be ANY_RANK). ``job_ranks`` is
         the job's ranks in all (0: ``world_size``): --world-size counts those.
+        ``max_members`` caps an elastic job's members (0: no cap of its own).
 
         Returns:
             The job's world size, the members joined, which member and run were joined.
@@ -123,7 +125,7 @@ class RoundTable:
             UnavailableError: see ``JobTable.join``.
         """
         job, retired, member = self.jobs.join(
-            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic, job_ranks
+            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic, job_ranks, max_members
         )
         self._retire(retired)
         with self.jobs.lock:

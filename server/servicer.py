@@ -144,6 +144,7 @@ class AggregatorServicer:
             request.ranks or 1,
             request.elastic,
             request.job_ranks,
+            request.max_members,
         )
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up

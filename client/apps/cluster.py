@@ -83,6 +83,11 @@ _FIELD_FLAGS = {
         "0: one rank of a fixed DDP job (peers found by --peers); N: one host of an elastic job that starts "
         "once N hosts joined, survives lost hosts and lets new ones join (needs --job-id; no peers, one aggregator)",
     ),
+    "--elastic-max-hosts": (
+        "GRADQ_ELASTIC_MAX_HOSTS",
+        "elastic_max_hosts",
+        "elastic: the most hosts the job holds at once; a host past it is refused at its Join (0: no cap)",
+    ),
     "--bit-policy": ("GRADQ_BIT_POLICY", "bit_policy", f"{' or '.join(BIT_POLICIES)}: bits per bucket piece"),
     "--average-bits": ("GRADQ_AVERAGE_BITS", "average_bits", "the adaptive policy's most bits per element on average"),
     "--job-id": ("GRADQ_JOB_ID", "job_id", "aggregator job shared by all ranks (unset: rank 0 draws one per run)"),

@@ -55,7 +55,7 @@ class GradqHookState:
         config: how buckets are quantized (GradqConfig.quant).
         process_group: the group DDP reduces over (None: the default group).
         error_feedback, fallback, job_id, timeout_s, connect_timeout_s, security,
-        chunk_elements, max_in_flight, codec, host_grouping, host, elastic_hosts,
+        chunk_elements, max_in_flight, codec, host_grouping, host, elastic_hosts, elastic_max_hosts,
         bit_policy, average_bits: as in GradqConfig. An elastic host calls
             ``share(...)`` and ``start()`` before training.
 
@@ -92,6 +92,7 @@ class GradqHookState:
         host_grouping: str = "auto",
         host: str | None = None,
         elastic_hosts: int = 0,
+        elastic_max_hosts: int = 0,
         bit_policy: str = "uniform",
         average_bits: float = DEFAULT_AVERAGE_BITS,
     ) -> None:
@@ -110,6 +111,7 @@ class GradqHookState:
             host_grouping=host_grouping,
             host=host,
             elastic_hosts=elastic_hosts,
+            elastic_max_hosts=elastic_max_hosts,
             bit_policy=bit_policy,
             average_bits=average_bits,
         )

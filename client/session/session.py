@@ -142,6 +142,7 @@ class GradqSession:
                 elastic=bool(config.elastic_hosts),
                 ranks=placed.local_size,
                 job_ranks=job_ranks,
+                max_members=config.elastic_max_hosts,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,

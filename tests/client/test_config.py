@@ -37,6 +37,12 @@ def test_replace_checks_the_copy_again() -> None:
         ({"elastic_hosts": 2}, "elastic_hosts needs job_id"),
         ({"elastic_hosts": 2, "job_id": "j", "addresses": ("a:1", "b:2")}, "an elastic job runs on one aggregator"),
         ({"elastic_hosts": 2, "job_id": "j", "fallback": "allreduce"}, "an elastic host cannot fall back"),
+        (
+            {"elastic_hosts": 3, "job_id": "j", "elastic_max_hosts": 2},
+            r"elastic_max_hosts=2 is invalid; expected 0 \(no cap\) or an integer >= elastic_hosts=3",
+        ),
+        ({"elastic_max_hosts": 4}, "elastic_max_hosts=4 caps an elastic job; set elastic_hosts too"),
+        ({"elastic_max_hosts": -1}, r"elastic_max_hosts=-1 is invalid; expected 0 \(no cap\) or an integer >= 1"),
         ({"bit_policy": "adaptive", "average_bits": 9.0}, "average_bits=9.0 is out of range; expected 8..8"),
         (
             {"bit_policy": "adaptive", "quant": QuantConfig(bits=2), "elastic_hosts": 2, "job_id": "j"},

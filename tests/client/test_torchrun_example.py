@@ -25,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS = 12
 
-# "join rank 0 of 2 to job 'x' (incarnation='y') (1 joined)", "leave rank 0 from job 'x' (incarnation='y')"
+# "join rank 0 to job 'x' (incarnation='y') (1 joined; it starts with 2)", "leave rank 0 from job 'x' (incarnation='y')"
 MEMBERSHIP = re.compile(r"\b(join|rejoin|leave) rank (\d+) .*?job '([^']*)'(?: \(incarnation='([^']*)'\))?")
 # torchrun puts both ranks on one node (GROUP_RANK=0): one host of 2 ranks, two-level aggregation.
 FINISHED = re.compile(

@@ -80,6 +80,22 @@ def test_members_get_the_lowest_free_ids_and_the_live_runs_incarnation(host: Hos
     assert (world.members, world.ranks) == ((0, 1), 2)
 
 
+def test_elastic_max_hosts_caps_the_job_and_every_host_must_say_the_same_cap(host: Host) -> None:
+    members = [host(max_members=3) for _ in range(3)]  # 2 start the job, a third joins: the cap is 3
+    with pytest.raises(
+        AggregationError,
+        match=r"FAILED_PRECONDITION: elastic .* holds 3 hosts, its most "
+        r"\(elastic_max_hosts=3\)",
+    ):
+        host(max_members=3)
+    with pytest.raises(AggregationError, match=r"elastic_max_hosts=5 does not match .* holds at most 3 hosts"):
+        host(max_members=5)
+    assert [member.rank for member in members] == [0, 1, 2]  # the refusals left the members alone
+    members[2].close()  # one leaves: a host may take its place
+    wait_for_world(members[0], lambda world: 2 not in world.members)
+    assert host(max_members=3).rank == 2
+
+
 def test_elastic_and_fixed_joins_do_not_mix(host: Host, server: AggregatorServer) -> None:
     host()
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: elastic=False does not match .* elastic"):
