@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-
 __all__ = ["Task", "TASKS", "CharTransformer", "DigitsConvNet"]
 
 VOCABULARY = 128  # ASCII; anything else becomes '?'

@@ -202,9 +202,10 @@ class WorkerClient:
         Raises:
             AggregationError: a shard refused the join or could not be reached.
         """
-        # Load the compiled kernels first, so the first push is not charged for it (nor an
-        # elastic joiner's wait for the state, which begins at the Join).
-        decode(encode(np.zeros(8, np.float32), self.config))
+        # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
+        # not before it: an elastic joiner's wait for the state begins at the Join, and a push
+        # that needs a kernel still loading waits in numba's compile lock, not in a race.
+        threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
         for shard in range(len(self._stubs)):
             self._join_shard(shard)
 
@@ -526,3 +527,11 @@ def _watch_ended(address: str, call: Any) -> None:
             code.name if code is not None else "?",
             call.details(),
         )
+
+
+def _load_kernels(config: QuantConfig) -> None:
+    """Compile or load from numba's cache the kernels ``config``'s pushes run."""
+    try:
+        decode(encode(np.zeros(8, np.float32), config))
+    except Exception:  # a broken kernel fails the first push itself, with its own error
+        log.debug("loading the quantization kernels failed", exc_info=True)

@@ -371,3 +371,30 @@ def test_an_aggregator_gone_for_good_is_reported_unreachable_long_before_the_rpc
     assert caught.value.address == address
     assert re.search(r"unreachable: tried for \d+\.\d s \(2 attempts", caught.value.details), caught.value.details
     client.close()
+
+
+def test_the_join_goes_out_while_the_kernels_load(start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cold process loads the kernels for about 2 s; an elastic joiner's wait for the state starts at its Join.
+    import gradq.client.worker as worker
+
+    loading, release = threading.Event(), threading.Event()
+    real = worker._load_kernels
+
+    def slow_load(config: QuantConfig) -> None:
+        loading.set()
+        release.wait(timeout=30)
+        real(config)
+
+    monkeypatch.setattr(worker, "_load_kernels", slow_load)
+    server = start()
+    client = WorkerClient(f"127.0.0.1:{server.port}", "cold", 0, 1, QuantConfig(bits=4), timeout_s=10)
+    try:
+        client.join()  # returns with the kernels still loading
+        assert loading.is_set() and not release.is_set()
+        assert server.table.active_jobs() == {"cold": [0]}
+        release.set()
+        mean = client.push_pull(0, 0, np.ones(64, np.float32))
+        assert np.allclose(mean, 1.0)
+    finally:
+        release.set()
+        client.close()
