@@ -37,11 +37,13 @@ def join_request(
     elastic: bool = False,
     job_ranks: int = 0,
     max_members: int = 0,
+    model_signature: str = "",
 ) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
 
     ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member;
-    ``max_members`` 0 puts no cap of its own on an elastic job's members.
+    ``max_members`` 0 puts no cap of its own on an elastic job's members;
+    ``model_signature`` "" leaves the host's model unchecked.
     """
     return pb.JoinRequest(
         job_id=job_id,
@@ -52,6 +54,7 @@ def join_request(
         elastic=elastic,
         job_ranks=job_ranks,
         max_members=max_members,
+        model_signature=model_signature,
     )
 
 

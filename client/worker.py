@@ -95,6 +95,8 @@ class WorkerClient:
             members stand for together. None: ``world_size``, one rank per member
             (the aggregator then does not check that the members' ``ranks`` add up).
         max_members: elastic: the most members the job may hold at once (0: no cap of the job's own).
+        model_signature: elastic: this host's shared model, one line per tensor
+            (gradq.client.session.elastic.model_signature); "" leaves it unchecked.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class WorkerClient:
         elastic: bool = False,
         job_ranks: int | None = None,
         max_members: int = 0,
+        model_signature: str = "",
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -158,6 +161,7 @@ class WorkerClient:
         self.ranks = ranks
         self.job_ranks = job_ranks
         self.max_members = max_members
+        self.model_signature = model_signature
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
@@ -222,6 +226,7 @@ class WorkerClient:
             self.elastic,
             self.job_ranks or 0,
             self.max_members,
+            self.model_signature,
         )
         timeout = self.timeout_s if patience is None else patience
         try:

@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--error-feedback", action="store_true", help="carry quantization error into the next step")
     parser.add_argument("--seed", type=int, default=0, help="the same on every host")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause after each step")
+    parser.add_argument("--hidden", type=int, default=64, help="the MLP's width: the same on every host")
     parser.add_argument("--report", type=Path, help="append JSON lines: one per step, then the result")
     parser.add_argument(
         "--join-when", type=Path, help="a standby host: load everything, then join once this file exists"
@@ -70,6 +71,7 @@ def main() -> None:
         steps=args.steps,
         seed=args.seed,
         step_sleep_s=args.step_sleep,
+        hidden=args.hidden,
         on_step=on_step,
         join_when=args.join_when,
     )

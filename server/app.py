@@ -54,16 +54,30 @@ _ANSWER_GRACE_S = 2.0
 # Calls gRPC admits beyond the waiting PushPulls, so Join, Leave, health probes and
 # pushes that do not wait always get in, however many calls are parked.
 _RESERVED_CALLS = 64
-# HTTP/2 pings on every connection: a host that vanishes from the network without
-# closing its connections (power loss, a cut cable) has its calls, and so its Watch,
-# ended within keepalive time + timeout, and is lost. A process that dies is found
-# at once (its kernel closes its connections); one stopped for less than this is not lost.
-KEEPALIVE_S = 10.0
-_KEEPALIVE = (
-    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
-    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
-    ("grpc.http2.max_pings_without_data", 0),
-)
+# HTTP/2 pings on every connection, answered by gRPC's own threads (a process busy in
+# Python, a long GC or import included, still answers): a process that is stopped, a
+# hung host, a partition or a host that vanishes without closing its connections (power
+# loss, a cut cable) answers none, so its calls, its Watch among them, end within
+# KEEPALIVE_S + KEEPALIVE_TIMEOUT_S and it is lost. A process that dies is found at once
+# (its kernel closes its connections). A host stopped for less than the timeout is not lost.
+KEEPALIVE_S = 1.0
+KEEPALIVE_TIMEOUT_S = 1.5  # the default of ServerOptions.keepalive_timeout_s (--keepalive-timeout)
+
+
+def _keepalive(timeout_s: float) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        # Every ping's answer, a bandwidth probe's too: one ping is in flight at a time, so a probe
+        # sent just as the peer fell silent would otherwise hold back the keepalive (and the loss).
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's floor between pings on a connection without data frames (minutes by default in
+        # some versions), which would let a silent peer that sends nothing go unpinged.
+        ("grpc.http2.min_time_between_pings_ms", int(KEEPALIVE_S * 1000)),
+    )
+
+
 # How often the sweeper closes rounds past their deadline that nobody waits for and expires idle jobs.
 _SWEEP_PERIOD_S = 0.25
 # Return freed heap to the OS once the budget's use has fallen by this much since the last time.
@@ -127,6 +141,8 @@ class ServerOptions:
             (/status) over HTTP on this port (0 picks one; None serves none).
         exit_after_jobs: stop by itself once this many jobs have finished (every
             rank of each has left); 0 serves until stopped.
+        keepalive_timeout_s: how long a connection may leave the ping (sent every
+            KEEPALIVE_S) unanswered before its calls end and its rank is lost.
     """
 
     address: str = "0.0.0.0:50051"
@@ -137,6 +153,14 @@ class ServerOptions:
     tokens: TokenTable | None = None
     metrics_port: int | None = None
     exit_after_jobs: int = 0
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.keepalive_timeout_s <= 3600:
+            raise ValueError(
+                f"keepalive_timeout_s={self.keepalive_timeout_s} is invalid; expected 0.1..3600 seconds "
+                f"(--keepalive-timeout): how long an unanswered ping may wait before the rank is lost"
+            )
 
 
 class AggregatorServer:
@@ -197,7 +221,11 @@ class AggregatorServer:
             interceptors=interceptors,
             # Without SO_REUSEPORT a second aggregator on a port in use fails to bind, rather than
             # sharing it and splitting one job's pushes between two processes.
-            options=[*channel_options(self.options.max_message_bytes), *_KEEPALIVE, ("grpc.so_reuseport", 0)],
+            options=[
+                *channel_options(self.options.max_message_bytes),
+                *_keepalive(self.options.keepalive_timeout_s),
+                ("grpc.so_reuseport", 0),
+            ],
             # Past this gRPC answers RESOURCE_EXHAUSTED itself: a flood of calls that never
             # reach a handler (stalled or slow) is bounded too. Watch streams have their own share.
             maximum_concurrent_rpcs=self.limits.max_waiting_calls + self.limits.max_watches + _RESERVED_CALLS,

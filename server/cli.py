@@ -53,6 +53,7 @@ _OPTIONS: list[tuple[str, str, Any]] = [
     ("--non-finite", "GRADQ_NON_FINITE", _POLICY.non_finite),
     ("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", _POLICY.max_bucket_elements),
     ("--grace", "GRADQ_GRACE", _SERVER.grace_s),
+    ("--keepalive-timeout", "GRADQ_KEEPALIVE_TIMEOUT", _SERVER.keepalive_timeout_s),
     ("--exit-after-jobs", "GRADQ_EXIT_AFTER_JOBS", _SERVER.exit_after_jobs),
     ("--log-level", "GRADQ_LOG_LEVEL", "INFO"),
     ("--log-format", "GRADQ_LOG_FORMAT", "text"),
@@ -146,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokens=TokenTable.from_file(args.token_file) if args.token_file else None,
             metrics_port=args.metrics_port,
             exit_after_jobs=args.exit_after_jobs,
+            keepalive_timeout_s=args.keepalive_timeout,
         )
         limits = ServiceLimits(
             max_steps_ahead=args.max_steps_ahead,

@@ -80,6 +80,8 @@ SERVE_ENVIRONMENT = {
     "zeros marked skipped",
     "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
     "GRADQ_GRACE": "seconds rounds in flight get to finish after SIGTERM",
+    "GRADQ_KEEPALIVE_TIMEOUT": "seconds a connection may leave the aggregator's ping (sent every second) unanswered "
+    "before its rank is lost: a stopped, hung or cut-off host is found within 1 s + this",
     "GRADQ_EXIT_AFTER_JOBS": "stop gracefully and exit 0 once N jobs have finished (every rank of each has left, "
     "e.g. a Compose cluster's one job); 0 serves until SIGTERM",
     "GRADQ_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
@@ -190,7 +192,7 @@ _INTEGERS = (
     "GRADQ_MAX_BUCKET_ELEMENTS",
     "GRADQ_EXIT_AFTER_JOBS",
 )
-_NUMBERS = ("GRADQ_ROUND_TIMEOUT", "GRADQ_JOB_IDLE_TIMEOUT", "GRADQ_GRACE")
+_NUMBERS = ("GRADQ_ROUND_TIMEOUT", "GRADQ_JOB_IDLE_TIMEOUT", "GRADQ_GRACE", "GRADQ_KEEPALIVE_TIMEOUT")
 _TEXTS = ("GRADQ_BIND_HOST", "GRADQ_NON_FINITE", "GRADQ_LOG_LEVEL", "GRADQ_LOG_FORMAT")
 _PATHS = (
     "GRADQ_PORT_FILE",

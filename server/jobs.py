@@ -35,6 +35,8 @@ MAX_JOB_ID_LENGTH = 256
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
+# The longest model signature a Join may carry (one line per tensor; GPT-2's is about 8 KB).
+MAX_SIGNATURE_CHARACTERS = 1 << 20
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -121,6 +123,7 @@ class JobTable:
         elastic: bool = False,
         job_ranks: int = 0,
         max_members: int = 0,
+        model_signature: str = "",
     ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
@@ -134,6 +137,8 @@ class JobTable:
         its incarnation, and a newcomer to a formed job is pending until it has
         received the state (see gradq.server.membership). ``max_members``
         caps an elastic job's members at once (0: only --max-world-size does).
+        ``model_signature`` is an elastic host's model, one line per tensor: the
+        run's first fixes it, a later one that differs is refused.
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
@@ -155,6 +160,11 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{self.limits.max_world_size - 1} (--max-world-size) "
                 f"or {ANY_RANK} (any) for an elastic member"
+            )
+        if len(model_signature) > MAX_SIGNATURE_CHARACTERS:
+            raise InvalidArgumentError(
+                f"model_signature holds {len(model_signature)} characters; expected at most "
+                f"{MAX_SIGNATURE_CHARACTERS} (one line per tensor of the host's model)"
             )
         if not 1 <= ranks <= self.limits.max_world_size:
             raise InvalidArgumentError(
@@ -201,6 +211,7 @@ class JobTable:
                 members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic, max_members)
                 job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
             job.members.check_join(world_size, job_ranks, ranks, job.describe, max_members)
+            job.members.check_model(model_signature, job.describe)
             rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
             job.last_active = now
             joined = len(job.members.joined)

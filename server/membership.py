@@ -57,6 +57,7 @@ class Membership:
     job_ranks_given: bool = False  # the Joins said job_ranks (0 on the wire: world_size, not checked)
     elastic: bool = False
     max_members: int = 0  # elastic: the most members at once, the user's cap (0: only --max-world-size)
+    model_signature: str = ""  # elastic: the hosts' shared model, fixed by the run's first Join that gave one
     formed: bool = False  # elastic: world_size members have joined, so rounds wait for the members training
     joined: set[int] = field(default_factory=set)  # the members training
     # Member -> how many ranks it stands for (a host's under two-level aggregation; 1 by default).
@@ -109,6 +110,30 @@ class Membership:
                 f"ranks={ranks} does not match elastic {describe()}, whose hosts hold {held.pop()} ranks "
                 f"each; every host of an elastic job holds as many (its buckets are cut into that many pieces)"
             )
+
+    def check_model(self, signature: str, describe: Callable[[], str]) -> None:
+        """Refuse a host whose model differs from the job's; the run's first signature becomes the job's.
+
+        Raises:
+            FailedPreconditionError: the signatures differ; names the first line that does.
+        """
+        if not signature:
+            return
+        if not self.model_signature:
+            self.model_signature = signature
+            return
+        if signature == self.model_signature:
+            return
+        mine, theirs = signature.split("\n"), self.model_signature.split("\n")
+        index = next(
+            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs))
+        )
+        here = repr(mine[index]) if index < len(mine) else f"nothing (its model ends after {len(mine)} tensors)"
+        there = repr(theirs[index]) if index < len(theirs) else f"nothing (its model ends after {len(theirs)} tensors)"
+        raise FailedPreconditionError(
+            f"this host's model differs from {describe()}'s at tensor {index}: this host has {here}, the job "
+            f"{there}; every host of a job must build the same model"
+        )
 
     def place(self, rank: int, ranks: int, max_members: int, describe: Callable[[], str]) -> tuple[int, bool]:
         """Make ``rank`` a member standing for ``ranks``: training, or pending in a formed elastic job.

@@ -110,12 +110,14 @@ class RoundTable:
         elastic: bool = False,
         job_ranks: int = 0,
         max_members: int = 0,
+        model_signature: str = "",
     ) -> JoinAnswer:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Also for elastic members (``rank`` may be ANY_RANK). ``job_ranks`` is
         the job's ranks in all (0: ``world_size``): --world-size counts those.
-        ``max_members`` caps an elastic job's members (0: no cap of its own).
+        ``max_members`` caps an elastic job's members (0: no cap of its own);
+        ``model_signature`` is an elastic host's model (see ``JobTable.join``).
 
         Returns:
             The job's world size, the members joined, which member and run were joined.
@@ -125,7 +127,17 @@ class RoundTable:
             UnavailableError: see ``JobTable.join``.
         """
         job, retired, member = self.jobs.join(
-            job_id, rank, world_size, incarnation, self._clock(), peer, ranks, elastic, job_ranks, max_members
+            job_id,
+            rank,
+            world_size,
+            incarnation,
+            self._clock(),
+            peer,
+            ranks,
+            elastic,
+            job_ranks,
+            max_members,
+            model_signature,
         )
         self._retire(retired)
         with self.jobs.lock:

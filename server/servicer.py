@@ -145,6 +145,7 @@ class AggregatorServicer:
             request.elastic,
             request.job_ranks,
             request.max_members,
+            request.model_signature,
         )
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up

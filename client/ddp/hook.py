@@ -26,7 +26,7 @@ from gradq.client.elastic import JobWorld
 from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS
 from gradq.client.security import ChannelSecurity
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import check_shareable, receive_training_state, serve_joiners
+from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
@@ -307,7 +307,8 @@ class GradqHookState:
         if self._closed:
             raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")
         if self._session is None:
-            session = GradqSession.connect(self._config, self.process_group)
+            signature = model_signature(self._shared) if self._config.elastic_hosts else ""
+            session = GradqSession.connect(self._config, self.process_group, model_signature=signature)
             session.residuals.load_state_dict(self._loaded.state_dict())
             self._session, self._loaded = session, ParameterResiduals(None, self._config.codec)
         return self._session

@@ -44,7 +44,7 @@ from torch import nn
 from gradq.client.config import GradqConfig
 from gradq.client.elastic import JobWorld
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import check_shareable, receive_training_state, serve_joiners
+from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
 from gradq.client.stats import ClientStats
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "DiLoCo", "default_outer_optimizer"]
@@ -135,7 +135,8 @@ class DiLoCo:
             the job, the live hosts' next round for one that joins it.
         """
         if self.session is None:
-            self.session = GradqSession.connect(self.config, self.process_group)
+            signature = model_signature(self._shared())
+            self.session = GradqSession.connect(self.config, self.process_group, model_signature=signature)
             if self.session.mode != "gradq":
                 raise RuntimeError(
                     f"DiLoCo cannot fall back ({self.session.mode!r}): its hosts have no common process group "

@@ -41,7 +41,10 @@ from gradq.client.sending import AggregationError
 if TYPE_CHECKING:
     from gradq.client.session.session import GradqSession
 
-__all__ = ["check_shareable", "receive_training_state", "serve_joiners", "training_state"]
+__all__ = ["check_shareable", "model_signature", "receive_training_state", "serve_joiners", "training_state"]
+
+# The most the aggregator takes of a model's signature (gradq.proto: JoinRequest.model_signature).
+MAX_SIGNATURE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,27 @@ def check_shareable(objects: Sequence[Any]) -> list[Any]:
                 f"an optimizer or another object torch checkpoints"
             )
     return list(objects)
+
+
+def model_signature(shared: Sequence[Any]) -> str:
+    """The shared modules' tensors, one line each: ``<object>.<name> <dtype>[<shape>]``, in state_dict order.
+
+    Only modules count: an optimizer's state appears at its first step, so a
+    joiner's would differ from a donor's for no fault of its own. A signature
+    longer than the aggregator takes is cut at a line (its start still tells
+    most mis-built hosts apart).
+    """
+    lines = []
+    for index, item in enumerate(shared):
+        if isinstance(item, torch.nn.Module):
+            for name, value in item.state_dict().items():
+                if isinstance(value, torch.Tensor):
+                    dtype = str(value.dtype).removeprefix("torch.")
+                    lines.append(f"{index}.{name} {dtype}{list(value.shape)}")
+    text = "\n".join(lines)
+    if len(text) > MAX_SIGNATURE_BYTES:
+        text = text[:MAX_SIGNATURE_BYTES].rsplit("\n", 1)[0]
+    return text
 
 
 def training_state(shared: Sequence[Any], step: int) -> bytes:

@@ -98,7 +98,11 @@ class GradqSession:
 
     @classmethod
     def connect(
-        cls, config: GradqConfig, group: dist.ProcessGroup | None = None, host: HostGroup | None = None
+        cls,
+        config: GradqConfig,
+        group: dist.ProcessGroup | None = None,
+        host: HostGroup | None = None,
+        model_signature: str = "",
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
@@ -109,6 +113,9 @@ class GradqSession:
         ``host`` is this rank's member, when the adapter placed it itself (FSDP:
         the host's ranks push their own shards as one member, no local
         collective); None finds the hosts from the launcher (DDP).
+        ``model_signature`` is an elastic host's shared model
+        (gradq.client.session.elastic.model_signature): the aggregator refuses
+        a host whose model differs from the job's, naming the first difference.
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -143,6 +150,7 @@ class GradqSession:
                 ranks=placed.local_size,
                 job_ranks=job_ranks,
                 max_members=config.elastic_max_hosts,
+                model_signature=model_signature,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,

@@ -54,16 +54,19 @@ def start_host(
     step_sleep_s: float,
     join_when: Path | None = None,
     ranks: int = 1,
+    hidden: int = 64,
 ) -> ElasticHost:
     """Start one host of ``job_id``; it trains until ``steps`` and reports every step to ``report``.
 
     With ``join_when`` it is a standby: it loads torch and builds its model, then joins once that file exists.
     With ``ranks`` > 1 the host is a torchrun of that many processes (their group reduces together first).
+    ``hidden`` is the model's width: another than the job's makes a mis-built host.
     """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     command = [*(launcher if ranks > 1 else [sys.executable]), str(EXAMPLE)]
     command += ["--aggregator", address, "--job-id", job_id, "--hosts", str(hosts)]
     command += ["--steps", str(steps), "--step-sleep", str(step_sleep_s), "--report", str(report)]
+    command += ["--hidden", str(hidden)]
     command += ["--join-when", str(join_when)] if join_when is not None else []
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

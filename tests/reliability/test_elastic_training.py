@@ -10,7 +10,9 @@ held-out loss of an uninterrupted run with the same seed (3%: see LOSS_TOLERANCE
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,6 +23,7 @@ import psutil
 import pytest
 from elastic_hosts import ElasticHost, finish, start_host, stop, wait_for
 
+from gradq.server.app import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from gradq.server.process import free_port, spawn_aggregator
 
 pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
@@ -31,6 +34,8 @@ STEPS = 400
 # hosts instead of three move it by themselves: in exact fp32, without gradq, this task's setting
 # (400 steps, batches of 128, AdamW at 1e-3) ends 0.2-1.4% off over seeds 0-2 (0.2-3.2% with batches of 32).
 LOSS_TOLERANCE = 0.03
+# A silent host is found within the aggregator's keepalive (gradq.server.app): a ping, then its timeout.
+KEEPALIVE_DETECTION_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S + 0.5
 STEP_SLEEP_S = 0.02  # a stand-in for a bigger model's compute: the replacement joins within a few steps
 
 
@@ -127,3 +132,56 @@ def _uninterrupted_run(address: str, tmp_path: Path) -> dict[str, float]:
 
 def _step(record: dict[str, float]) -> float:
     return record["step"]
+
+
+def test_a_stopped_host_is_dropped_within_seconds_and_the_others_never_stall_past_that(
+    address: str, tmp_path: Path
+) -> None:
+    # A SIGSTOP stands for a hung driver, a frozen VM or a partition: the process keeps its connections open
+    # but answers nothing, HTTP/2 pings included. The aggregator's keepalive finds it and drops it.
+    hosts = [start_host(address, "silent", HOSTS, 300, tmp_path / f"silent{i}.jsonl", STEP_SLEEP_S) for i in range(3)]
+    silent, survivors = hosts[2], hosts[:2]
+    try:
+        wait_for("every host at step 10", lambda: min(h.last_step() for h in hosts) >= 10, 120, hosts)
+        os.kill(silent.process.pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_for("the survivors 40 steps on", lambda: min(h.last_step() for h in survivors) >= 50, 60, hosts)
+        still_stopped = time.time() - stopped_at < 10.0
+        assert still_stopped, "the survivors took 10 s for 40 steps: they stalled"
+    finally:
+        for host in hosts:
+            if host is silent:
+                os.kill(host.process.pid, signal.SIGCONT)
+            stop(host)
+    for survivor in (host.steps() for host in survivors):
+        steps = sorted(survivor)
+        assert steps == list(range(steps[0], steps[-1] + 1))  # no step failed or was skipped
+        finished = [survivor[step]["finished_at"] for step in steps]
+        longest = max(later - earlier for earlier, later in itertools.pairwise(finished))
+        assert longest < KEEPALIVE_DETECTION_S, longest  # the longest stall: the time to find the silent host
+        dropped = min(
+            step for step in steps if survivor[step]["finished_at"] > stopped_at and survivor[step]["ranks"] == 2
+        )
+        assert survivor[dropped]["finished_at"] - stopped_at < KEEPALIVE_DETECTION_S
+
+
+def test_a_joiner_built_with_another_model_is_refused_by_name_and_the_others_train_on(
+    address: str, tmp_path: Path
+) -> None:
+    right = [start_host(address, "misbuilt", 2, 400, tmp_path / f"right{i}.jsonl", STEP_SLEEP_S) for i in range(2)]
+    try:
+        wait_for("the right hosts at step 5", lambda: min(h.last_step() for h in right) >= 5, 120, right)
+    except AssertionError:
+        for host in right:
+            stop(host)
+        raise
+    wrong = start_host(address, "misbuilt", 2, 400, tmp_path / "wrong.jsonl", STEP_SLEEP_S, hidden=32)
+    output, _ = wrong.process.communicate(timeout=120)
+    assert min(host.last_step() for host in right) < 399  # it was refused while the job trained
+    text = output.decode(errors="replace")
+    assert wrong.process.returncode != 0, text[-2000:]
+    assert re.search(r"this host's model differs from .* at tensor 0: this host has '0\S*weight float32\[32, ", text), (
+        text[-3000:]
+    )
+    finish(right, timeout_s=240)  # the right hosts trained on to the end, together
+    assert len({host.result()["parameters_sha256"] for host in right}) == 1

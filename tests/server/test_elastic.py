@@ -96,6 +96,27 @@ def test_elastic_max_hosts_caps_the_job_and_every_host_must_say_the_same_cap(hos
     assert host(max_members=3).rank == 2
 
 
+def test_a_host_whose_model_differs_is_refused_naming_the_first_difference(host: Host) -> None:
+    model = "0.fc.weight float32[64, 32]\n0.fc.bias float32[64]"
+    first, second = host(model_signature=model), host(model_signature=model)  # the first Join fixes the job's
+    with pytest.raises(
+        AggregationError,
+        match=r"FAILED_PRECONDITION: this host's model differs from .* at tensor 0: "
+        r"this host has '0.fc.weight float32\[32, 64\]', the job '0.fc.weight float32\[64, 32\]'",
+    ):
+        host(model_signature="0.fc.weight float32[32, 64]\n0.fc.bias float32[64]")
+    with pytest.raises(
+        AggregationError,
+        match=r"at tensor 2: this host has '0.head.weight float32\[10\]', the job "
+        r"nothing \(its model ends after 2 tensors\)",
+    ):
+        host(model_signature=model + "\n0.head.weight float32[10]")
+    assert host(model_signature=model).catch_up  # the right model still joins (pending: it waits for the state)
+    with ThreadPoolExecutor(2) as pool:  # and the starting hosts train on
+        means = list(pool.map(lambda client: client.push_pull(0, 0, np.ones(4, np.float32)), (first, second)))
+    assert all(np.allclose(mean, 1.0) for mean in means)
+
+
 def test_elastic_and_fixed_joins_do_not_mix(host: Host, server: AggregatorServer) -> None:
     host()
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: elastic=False does not match .* elastic"):

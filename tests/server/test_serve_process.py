@@ -74,6 +74,7 @@ def test_help_lists_every_flag_with_its_environment_variable() -> None:
         (["--partial-quorum", "5", "--world-size", "2"], {}, "partial_quorum=5 is invalid"),
         ([], {"GRADQ_ROUND_TIMEOUT": "soon"}, "GRADQ_ROUND_TIMEOUT='soon' is invalid"),
         (["--round-timeout", "0"], {}, "round_timeout_s=0.0 is invalid"),
+        (["--keepalive-timeout", "0.01"], {}, r"keepalive_timeout_s=0.01 is invalid; expected 0.1..3600 seconds"),
         (["--tls-cert", "/nonexistent.pem"], {}, "expected both or neither"),
         (["--tls-client-ca", "/ca.pem"], {}, "--tls-client-ca needs --tls-cert and --tls-key"),
         (["--token-file", "/nonexistent/tokens"], {}, "/nonexistent/tokens"),
