@@ -73,6 +73,9 @@ class ShardSender:
         window: pushes per shard on the wire at once.
         stats: records every mean pulled.
         rejoin: joins a shard again (a restarted aggregator forgot the job); raises AggregationError.
+        lost_self: whether a refusal's details say the aggregator counts this very
+            rank lost (it was silent past the keepalive): the push then rejoins
+            and is sent again, as after a restart.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class ShardSender:
         window: ShardWindow[PendingPush],
         stats: StatsRecorder,
         rejoin: Callable[[int], None],
+        lost_self: Callable[[str], bool] = lambda details: False,
     ) -> None:
         self.addresses = list(addresses)
         self._push_pulls = list(push_pulls)
@@ -96,6 +100,7 @@ class ShardSender:
         self.window = window
         self._stats = stats
         self._rejoin = rejoin
+        self._lost_self = lost_self
         self._held_lock = threading.Lock()  # futures settle on gRPC's threads
         self.held_bytes = 0  # bytes of the requests submitted and not yet settled
 
@@ -175,6 +180,12 @@ class ShardSender:
                     "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
                 )
             pending.result.set_result(pending.out.reshape(pending.shape))
+        elif code == grpc.StatusCode.ABORTED and pending.attempt < self.max_retries and self._lost_self(call.details()):
+            pending.attempt += 1  # back after a silence the aggregator took for a loss: rejoin, send again
+            log.warning("aggregator %s counted this rank lost; rejoining: %s", address, call.details())
+            timer = threading.Timer(0.0, self._retry, (pending,))
+            timer.daemon = True
+            timer.start()
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
             if pending.unavailable_since is None:
                 pending.unavailable_since = pending.sent_at

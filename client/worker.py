@@ -196,6 +196,7 @@ class WorkerClient:
             ShardWindow(len(self.addresses), max_in_flight),
             self._stats,
             self._rejoin_shard,
+            self._counted_lost,
         )
 
     # -- membership ----------------------------------------------------------------------------
@@ -250,11 +251,48 @@ class WorkerClient:
             return
         request = serde.watch_request(self.job_id, self.rank, self.incarnation)
         call = self._stubs[shard].Watch(request, metadata=self._metadata)
-        address = self.addresses[shard]
-        call.add_done_callback(lambda done: _watch_ended(address, done))
+        call.add_done_callback(lambda done: self._watch_ended(shard, done))
         self._watches[shard] = call
         if self.elastic:  # the stream carries the job's membership news: read it as it comes
             threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
+
+    def _watch_ended(self, shard: int, call: Any) -> None:
+        """A Watch that ended other than by ``close``: the aggregator cut this rank off, went away, or cannot watch it.
+
+        UNAVAILABLE while this client is open is the aggregator closing the
+        connection, e.g. its keepalive finding this process silent (stopped,
+        partitioned): it counts this rank lost, so a fixed job's rank, alive
+        again, joins again (the aggregator then counts it back) and watches
+        anew, on a thread of its own. If the aggregator itself went away, that
+        Join fails and the pushes' own retries rejoin. An elastic member was
+        dropped instead: it must come back as a joiner with the state, which
+        its adapter does (DiLoCo), never by rejoining its old id here.
+        """
+        code = call.code()
+        cut = code == grpc.StatusCode.UNAVAILABLE and self._joined[shard] and self._watches[shard] is call
+        if cut and not self.elastic:
+            threading.Thread(target=self._rejoin_after_cut, args=(shard,), name="gradq-rejoin", daemon=True).start()
+            return
+        # OK: the aggregator stopped; CANCELLED: we closed.
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            log.warning(
+                "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
+                self.addresses[shard],
+                code.name if code is not None else "?",
+                call.details(),
+            )
+
+    def _counted_lost(self, details: str) -> bool:
+        """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
+        return not self.elastic and f"rank {self.rank} was lost" in (details or "")
+
+    def _rejoin_after_cut(self, shard: int) -> None:
+        try:
+            self._rejoin_shard(shard)
+        except AggregationError as error:
+            log.debug("rejoining %s after its Watch ended failed: %s", self.addresses[shard], error)
+            return
+        log.info("rejoined %s after it cut this rank's Watch (member %d)", self.addresses[shard], self.rank)
 
     def _read_world(self, call: Any) -> None:
         """Keep ``world`` current from the Watch stream until it ends."""
@@ -519,19 +557,6 @@ class WorkerClient:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)
         self._sender.submit(pending)
         return pending.result
-
-
-def _watch_ended(address: str, call: Any) -> None:
-    """A Watch that ended other than by ``close``: the aggregator went away, or it cannot watch this rank."""
-    code = call.code()
-    # OK: the aggregator stopped; CANCELLED: we closed; UNAVAILABLE: it went away (pushes retry).
-    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
-        log.warning(
-            "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
-            address,
-            code.name if code is not None else "?",
-            call.details(),
-        )
 
 
 def _load_kernels(config: QuantConfig) -> None:

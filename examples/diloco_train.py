@@ -101,6 +101,7 @@ def main() -> None:
                 "losses": losses,
                 "held_out_loss": held_out_loss,
                 "joined_at_round": joined_at,
+                "rejoins": diloco.rejoins,
                 "outer_round": diloco.outer_round,
                 "digests": digests,
                 "bytes_sent": stats.bytes_sent if stats is not None else 0,

@@ -23,10 +23,13 @@ How it runs here:
   global parameters with the same outer optimizer, so all hosts hold
   bit-identical global parameters after every outer round.
 - A host lost mid-round is dropped by the aggregator, which finishes the round
-  over the others. A host that joins later receives the global state (the
-  global parameters, the outer optimizer, the round counters, its model and
-  inner optimizer) from a live host at the next outer-round boundary, through
-  the aggregator, and is bit-identical from there on.
+  over the others. A host dropped because it fell silent (stopped, hung,
+  partitioned) and then comes back finds its next push refused: it joins
+  again as a joiner and takes the global state, never training on its own.
+  A host that joins later receives the global state (the global parameters,
+  the outer optimizer, the round counters, its model and inner optimizer)
+  from a live host at the next outer-round boundary, through the aggregator,
+  and is bit-identical from there on.
 
 The outer step runs on the hosts; the aggregator only averages.
 """
@@ -43,6 +46,7 @@ from torch import nn
 
 from gradq.client.config import GradqConfig
 from gradq.client.elastic import JobWorld
+from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
 from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
 from gradq.client.stats import ClientStats
@@ -116,6 +120,7 @@ class DiLoCo:
         self.outer_round = 0  # the next outer round: the job's step
         self.inner_steps = 0  # inner steps taken, in all
         self.session: GradqSession | None = None
+        self.rejoins = 0  # times this host was dropped and joined again
         self._hook: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -171,6 +176,14 @@ class DiLoCo:
         Raises:
             AggregationError: the round failed (the message names it and why).
         """
+        try:
+            self._round()
+        except AggregationError as error:
+            if not _dropped(error):
+                raise
+            self._rejoin(error)
+
+    def _round(self) -> None:
         session = self._connected()
         step = self.outer_round
         means = []
@@ -197,6 +210,22 @@ class DiLoCo:
         self.outer_round = step + 1
         # The boundary a joiner enters at: the model holds the new global parameters.
         serve_joiners(session, self._shared(), self.outer_round)
+
+    def _rejoin(self, error: AggregationError) -> None:
+        """This host was dropped (it fell silent past the keepalive): join again as a joiner, take the state.
+
+        Its local steps of the round it missed are dropped with it: it
+        continues from the global state a live host sends, never from its own.
+        """
+        log.warning("this host was dropped from %s (%s); rejoining as a joiner", self.config.job_id, error.details)
+        assert self.session is not None
+        self.session.close()
+        self.session = GradqSession.connect(
+            self.config, self.process_group, model_signature=model_signature(self._shared())
+        )
+        self.outer_round = receive_training_state(self.session, self._shared(), self.outer_round)
+        self.rejoins += 1
+        log.warning("rejoined %s at outer round %d", self.config.job_id, self.outer_round)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -272,6 +301,12 @@ class _GlobalState:
             start.copy_(value)
         diloco.outer_optimizer.load_state_dict(state["outer_optimizer"])
         diloco.outer_round, diloco.inner_steps = int(state["outer_round"]), int(state["inner_steps"])
+
+
+def _dropped(error: AggregationError) -> bool:
+    """The aggregator no longer counts this host a member (dropped as lost while it was silent)."""
+    code = error.code.name if error.code is not None else ""
+    return code == "FAILED_PRECONDITION" and ("has not joined" in error.details or "is pending" in error.details)
 
 
 def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:

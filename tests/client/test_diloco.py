@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -164,3 +165,40 @@ def test_a_host_killed_mid_round_is_dropped_and_a_later_joiner_is_identical_afte
     after = {key: value for key, value in hosts[0].figures["digests"].items() if int(key) > joined_at}
     assert hosts[2].figures["digests"] == after
     assert_identical(hosts)
+
+
+def test_a_host_silent_past_the_keepalive_is_dropped_and_rejoins_by_itself(
+    aggregator: AggregatorServer, tmp_path: Path
+) -> None:
+    common = ("--rounds", "30", "--step-delay", "0.01")
+    progress = tmp_path / "progress"
+    processes = [
+        start(aggregator, "diloco-silent", 0, tmp_path, *common, "--progress", str(progress)),
+        *(start(aggregator, "diloco-silent", seed, tmp_path, *common) for seed in (1, 2)),
+    ]
+
+    def round_of_host0() -> int:
+        text = progress.read_text() if progress.exists() else ""
+        return int(text) if text else -1
+
+    def wait_for_round(at_least: int) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while round_of_host0() < at_least:
+            assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()
+            time.sleep(0.05)
+
+    wait_for_round(3)
+    os.kill(processes[2].pid, signal.SIGSTOP)  # a hung host: its connections stay open, it answers nothing
+    stopped_at = round_of_host0()
+    try:
+        wait_for_round(stopped_at + 3)  # the others go on: it was dropped (a round waits for every member)
+    finally:
+        os.kill(processes[2].pid, signal.SIGCONT)
+    hosts = finish(processes, tmp_path, range(3))
+
+    assert hosts[2].figures["rejoins"] == 1  # it found itself dropped and joined again, by itself
+    assert hosts[0].figures["digests"] == hosts[1].figures["digests"]
+    assert_identical(hosts)  # it ended on the others' global parameters, bit for bit
+    back = min(int(key) for key in hosts[2].figures["digests"] if int(key) > stopped_at + 1)
+    later = {key: value for key, value in hosts[0].figures["digests"].items() if int(key) >= back}
+    assert {key: value for key, value in hosts[2].figures["digests"].items() if int(key) >= back} == later

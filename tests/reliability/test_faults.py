@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -22,8 +23,8 @@ from gradq.server.process import free_port, spawn_aggregator
 ROUND_TIMEOUT_S = 2.0
 
 
-def start_aggregator(port: int) -> subprocess.Popen[bytes]:
-    flags = ("--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING")
+def start_aggregator(port: int, *extra: str) -> subprocess.Popen[bytes]:
+    flags = ("--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING", *extra)
     return spawn_aggregator(*flags, port=port)[0]
 
 
@@ -76,9 +77,12 @@ def test_killed_worker_is_named_to_survivors_within_deadline_and_server_keeps_se
 def test_ranks_realign_after_one_is_stopped_longer_than_the_deadline(
     aggregators: list[subprocess.Popen[bytes]],
 ) -> None:
-    """SIGSTOP past a deadline plus a round timeout: its late pushes fail at once, then every step completes."""
+    """SIGSTOP past a deadline plus a round timeout: its late pushes fail at once, then every step completes.
+
+    The operator chose to wait for a stopped rank (--keepalive-timeout past the stop), so it is not lost.
+    """
     port = free_port()
-    aggregators.append(start_aggregator(port))
+    aggregators.append(start_aggregator(port, "--keepalive-timeout", "30"))
     stop_at, steps, stopped_s = 2, 12, 2.5 * ROUND_TIMEOUT_S
     workers, events = start_workers(
         f"127.0.0.1:{port}", "stopped", world=3, steps=steps, stop={2: stop_at}, keep_going=True
@@ -115,6 +119,46 @@ def test_ranks_realign_after_one_is_stopped_longer_than_the_deadline(
     for step in range(first, steps):
         for rank in range(3):
             assert outcomes[(rank, step)][2], outcomes[(rank, step)]
+
+
+def test_a_rank_stopped_past_the_keepalive_is_lost_at_once_and_counted_back_when_it_resumes(
+    aggregators: list[subprocess.Popen[bytes]],
+) -> None:
+    """SIGSTOP past the keepalive (the default): the others' rounds fail at once naming it; then it rejoins."""
+    port = free_port()
+    aggregators.append(start_aggregator(port))
+    stop_at, steps = 2, 12
+    workers, events = start_workers(
+        f"127.0.0.1:{port}", "keepalive", world=3, steps=steps, stop={2: stop_at}, keep_going=True
+    )
+    outcomes: dict[tuple[int, int], Event] = {}
+    try:
+        for event in collect(events, 3 * stop_at + 1, timeout_s=60):
+            outcomes[event[:2]] = event
+        assert workers[2].pid is not None
+        os.kill(workers[2].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while len([key for key in outcomes if key[0] < 2 and key[1] >= stop_at]) < 2 * (steps - stop_at):
+            assert time.monotonic() < deadline, sorted(outcomes)
+            with contextlib.suppress(queue.Empty):
+                event = events.get(0.5)
+                outcomes[event[:2]] = event
+        os.kill(workers[2].pid, signal.SIGCONT)
+        while len([key for key in outcomes if key[0] == 2 and key[1] >= stop_at]) < steps - stop_at:
+            assert time.monotonic() < deadline, sorted(outcomes)
+            with contextlib.suppress(queue.Empty):
+                event = events.get(0.5)
+                outcomes[event[:2]] = event
+    finally:
+        for worker in workers:
+            worker.kill()
+    # The others knew rank 2 was lost within the keepalive and stopped waiting for it: every later round failed at
+    # once, naming it, instead of at each round deadline.
+    others = [outcomes[(rank, step)] for rank in (0, 1) for step in range(stop_at + 1, steps)]
+    assert all(not ok and "rank 2 was lost" in detail and seconds < 1.0 for _, _, ok, detail, seconds in others)
+    # Rank 2, alive again, was counted back in: after the round it was lost in, no answer says it is lost.
+    mine = [outcomes[(2, step)] for step in range(stop_at + 1, steps)]
+    assert all("rank 2 was lost" not in detail for _, _, _, detail, _ in mine), mine
 
 
 def test_aggregator_killed_and_restarted_mid_training_never_double_counts(
