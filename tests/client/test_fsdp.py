@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from aggregator_metrics import received_bytes
 
 from gradq.client.apps.demo import free_port
 from gradq.server.app import AggregatorServer, ServerOptions
@@ -78,16 +77,6 @@ def train(
         Rank(json.loads((out / f"rank{rank}.json").read_text()), torch.load(out / f"rank{rank}.pt"))
         for rank in range(HOSTS * LOCAL)
     ]
-
-
-def received_bytes(server: AggregatorServer, job_id: str) -> float:
-    assert server.metrics_port is not None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "gradq_received_bytes_total" and sample.labels.get("job") == job_id:
-                return sample.value
-    raise AssertionError(f"no gradq_received_bytes_total for job {job_id!r}")
 
 
 def assert_hosts_identical(ranks: list[Rank]) -> None:

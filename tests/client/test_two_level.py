@@ -8,13 +8,12 @@ torchrun; the probe model makes each rank's gradient exactly what the test chose
 from __future__ import annotations
 
 import itertools
-import urllib.request
 from collections.abc import Iterator
 
 import host_ranks
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from aggregator_metrics import received_bytes
 
 from gradq.client.apps.demo import free_port
 from gradq.qcore import QuantConfig
@@ -54,16 +53,6 @@ def gradients_for(world: int, steps: int, seed: int = 0) -> list[list[np.ndarray
 
 def exact_mean(gradients: list[list[np.ndarray]], step: int) -> np.ndarray:
     return np.mean([ranks[step] for ranks in gradients], axis=0)
-
-
-def received_bytes(server: AggregatorServer, job_id: str) -> float:
-    assert server.metrics_port is not None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "gradq_received_bytes_total" and sample.labels.get("job") == job_id:
-                return sample.value
-    raise AssertionError(f"no gradq_received_bytes_total for job {job_id!r}")
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
