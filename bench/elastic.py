@@ -8,19 +8,27 @@ and the aggregator a real `gradq serve`. Two runs, one after the other:
 - **steady**: ``--hosts`` hosts train ``--steps`` steps;
 - **faults**: the same, but one host is SIGKILLed at ``--kill-at``, a warm
   standby (torch loaded, model built) joins at ``--join-at``, and a cold host
-  (a fresh process) is started at the same moment and joins when it is ready.
+  (a fresh process) is started at the same moment and joins when it is ready;
+- **silent**: the same hosts, but one is SIGSTOPped at ``--kill-at`` for
+  ``--stop-for`` seconds (a hung driver, a frozen VM, a partition: its
+  connections stay open and it answers nothing), then ended.
 
 Printed (and written to bench/results/elastic.md with --write):
 - kill -> the survivors' next completed step, in seconds;
 - a joiner's start -> its first step in sync (parameters equal the survivors'), warm and cold;
 - the bytes of state relayed per joiner;
-- the survivors' steps per second over the whole run, against the steady run's.
+- the survivors' steps per second over the whole run, against the steady run's;
+- stop -> the silent host dropped (the survivors' first step without it), and
+  the survivors' longest stall while it was stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -43,6 +51,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=100)
     parser.add_argument("--join-at", type=int, default=150)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="a stand-in for a bigger model's compute")
+    parser.add_argument("--stop-for", type=float, default=10.0, help="seconds the silent host stays stopped")
     parser.add_argument("--write", action="store_true", help=f"also write {RESULTS.name} under bench/results")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -55,6 +64,7 @@ def main() -> None:
             address = f"127.0.0.1:{port}"
             steady = _steady(address, folder, args)
             faults = _faults(address, folder, args)
+            faults.update(_silent(address, folder, args))
         finally:
             server.kill()
             server.wait()
@@ -111,6 +121,39 @@ def _faults(address: str, folder: Path, args: argparse.Namespace) -> dict[str, f
     }
 
 
+def _silent(address: str, folder: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The run with a host stopped (SIGSTOP) for ``--stop-for`` seconds: when it was dropped, the longest stall."""
+    hosts = [
+        start_host(address, "silent", args.hosts, args.steps, folder / f"silent{i}.jsonl", args.step_sleep)
+        for i in range(args.hosts)
+    ]
+    survivors, silent = hosts[:-1], hosts[-1]
+    try:
+        wait_for("the stop step", lambda: silent.last_step() >= args.kill_at, 600, hosts)
+        os.kill(silent.process.pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(args.stop_for)  # the schedule: how long the host stays silent
+        os.kill(silent.process.pid, signal.SIGCONT)
+        silent.process.kill()
+        finish(survivors, timeout_s=600)
+    finally:
+        for host in hosts:
+            host.process.kill()
+            host.process.wait()
+    reference = survivors[0].steps()
+    during = sorted(
+        r["finished_at"] for r in reference.values() if stopped_at - 1 <= r["finished_at"] <= stopped_at + args.stop_for
+    )
+    dropped = min(
+        r["finished_at"] for r in reference.values() if r["finished_at"] > stopped_at and r["ranks"] < args.hosts
+    )
+    return {
+        "stop_to_drop_s": dropped - stopped_at,
+        "longest_stall_s": max(later - earlier for earlier, later in itertools.pairwise(during)),
+        "silent_steps_per_second": statistics.mean(_steps_per_second(host) for host in survivors),
+    }
+
+
 def _in_sync(joiner: ElasticHost, reference: dict[int, dict[str, float]]) -> float:
     """When the joiner's first step finished, checking its parameters equal the survivors' after that step."""
     first = min(joiner.steps())
@@ -144,6 +187,11 @@ def _table(args: argparse.Namespace, steady: float, faults: dict[str, float], re
         f"| state relayed per joiner | {', '.join(f'{size:,} B' for size in relayed) or 'none'} |",
         f"| survivors' steps/s with the faults / without | {faults['steps_per_second']:.1f} / {steady:.1f} "
         f"({faults['steps_per_second'] / steady:.2f}x) |",
+        f"| stop (SIGSTOP {args.stop_for:g} s) -> the silent host dropped (first step without it) | "
+        f"{faults['stop_to_drop_s']:.2f} s |",
+        f"| the survivors' longest stall while it was stopped | {faults['longest_stall_s']:.2f} s |",
+        f"| survivors' steps/s with a host stopped / without | {faults['silent_steps_per_second']:.1f} / "
+        f"{steady:.1f} ({faults['silent_steps_per_second'] / steady:.2f}x) |",
     ]
     return "\n".join(rows)
 

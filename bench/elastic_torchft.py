@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=100)
     parser.add_argument("--join-at", type=int, default=150)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="a stand-in for a bigger model's compute")
+    parser.add_argument("--stop-for", type=float, default=10.0, help="seconds the silent replica stays stopped")
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="the lighthouse's")
     parser.add_argument("--join-timeout-ms", type=int, default=1000, help="the lighthouse's")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000, help="the lighthouse's (its default)")
@@ -72,6 +74,7 @@ def main() -> None:
         folder = Path(scratch)
         steady = _steady(folder, args)
         faults = _faults(folder, args)
+        faults.update(_silent(folder, args))
     table = _table(args, steady, faults)
     print(table)
 
@@ -199,6 +202,36 @@ def _faults(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _silent(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The run with a replica stopped (SIGSTOP) for ``--stop-for`` seconds: when the others went on without it."""
+    lighthouse = _Lighthouse(args, folder / "silent-lighthouse.log")
+    start = folder / "silent-start"
+    hosts = [_start(args, lighthouse, i, folder / f"silent{i}.jsonl", start_when=start) for i in range(args.hosts)]
+    survivors, silent = hosts[:-1], hosts[-1]
+    try:
+        wait_for("the replicas' managers", lambda: all(_ready(h) for h in hosts), 600, hosts)
+        start.touch()
+        wait_for("the stop step", lambda: silent.last_step() >= args.kill_at, 600, hosts)
+        silent.process.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(args.stop_for)  # the schedule: how long the replica stays silent
+        silent.process.send_signal(signal.SIGCONT)
+        silent.process.kill()
+        _finish(survivors, timeout_s=600)
+    finally:
+        for host in hosts:
+            host.process.kill()
+            host.process.wait()
+        lighthouse.close()
+    finished = sorted(r["finished_at"] for r in survivors[0].steps().values())
+    during = [when for when in finished if stopped_at - 1 <= when <= stopped_at + args.stop_for]
+    return {
+        "stop_to_next_step_s": min(when for when in finished if when > stopped_at) - stopped_at,
+        "silent_longest_stall_s": max(later - earlier for earlier, later in itertools.pairwise(during or [0.0, 0.0])),
+        "silent_steps_per_second": statistics.mean(_steps_per_second(host) for host in survivors),
+    }
+
+
 def _in_sync(joiner: ElasticHost, reference: dict[int, dict[str, Any]]) -> tuple[float, str]:
     """When the joiner's first step finished, and whether its parameters equal the survivors' after that step."""
     first = min(joiner.steps())
@@ -236,6 +269,11 @@ def _table(args: argparse.Namespace, steady: float, faults: dict[str, Any]) -> s
         f"| state received per joiner (HTTP body) | {', '.join(f'{size:,} B' for size in faults['relayed'])} |",
         f"| survivors' steps/s with the faults / without | {faults['steps_per_second']:.1f} / {steady:.1f} "
         f"({faults['steps_per_second'] / steady:.2f}x) |",
+        f"| stop (SIGSTOP {args.stop_for:g} s) -> survivors' next completed step | "
+        f"{faults['stop_to_next_step_s']:.2f} s |",
+        f"| the survivors' longest stall while it was stopped | {faults['silent_longest_stall_s']:.2f} s |",
+        f"| survivors' steps/s with a replica stopped / without | {faults['silent_steps_per_second']:.1f} / "
+        f"{steady:.1f} ({faults['silent_steps_per_second'] / steady:.2f}x) |",
     ]
     return "\n".join(rows)
 
