@@ -103,6 +103,8 @@ class RoundCloser:
         with self._jobs.lock:  # an elastic job's members change under it
             missing = job.members.missing(rnd.contributors)
             quorum_met = job.members.quorum_met(rnd.contributors, self.policy.partial_quorum)
+            forming = job.members.elastic and not job.members.formed
+            joined = len(job.members.joined)
         if quorum_met:
             log.warning(
                 "%s closed partial (%s): averaged ranks %s, missing ranks %s",
@@ -113,10 +115,17 @@ class RoundCloser:
             )
             self.finish(job, rnd, missing, code)
             return
-        error = RoundAbortedError(
-            f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing "
-            f"(have {sorted(rnd.contributors)} of the members {sorted({*rnd.contributors, *missing})} it waited for)"
-        )
+        if forming:  # no member is missing: hosts the job starts with have not joined yet
+            error = RoundAbortedError(
+                f"{rnd.describe(job.job_id)} failed: {reason} before the elastic job formed: {joined} of the "
+                f"{job.members.world_size} hosts it starts with (elastic_hosts) have joined; have "
+                f"{sorted(rnd.contributors)}"
+            )
+        else:
+            error = RoundAbortedError(
+                f"{rnd.describe(job.job_id)} failed: {reason} with ranks {list(missing)} missing (have "
+                f"{sorted(rnd.contributors)} of the members {sorted({*rnd.contributors, *missing})} it waited for)"
+            )
         self.fail(job, rnd, error, code)
 
     def fail(self, job: Job, rnd: Round, error: RoundError, reason: str) -> None:

@@ -87,3 +87,13 @@ def test_every_rank_of_a_host_watches_the_same_tenure_of_its_member() -> None:
     assert watches[0].tenure == watches[1].tenure != 0
     liveness.close(watches[0])  # either rank's process exiting is the member's loss
     assert 0 in members_of(table, "host").lost
+
+
+def test_a_round_failed_before_an_elastic_job_formed_says_how_many_hosts_joined() -> None:
+    clock = [0.0]
+    table = RoundTable(RoundPolicy(round_timeout_s=1.0), clock=lambda: clock[0])
+    table.join("forming", ANY_RANK, 3, "run", elastic=True)  # 1 of the 3 hosts it starts with
+    ticket = push(table, "forming", 0, 0, 0, VALUES, incarnation="run")
+    clock[0] = 1.0
+    with pytest.raises(RoundAbortedError, match=r"before the elastic job formed: 1 of the 3 hosts it starts with"):
+        wait(table, ticket)
