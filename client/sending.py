@@ -186,6 +186,14 @@ class ShardSender:
             timer = threading.Timer(0.0, self._retry, (pending,))
             timer.daemon = True
             timer.start()
+        elif code == grpc.StatusCode.FAILED_PRECONDITION and pending.attempt < self.max_retries and _forgot_job(call):
+            # The aggregator restarted between two pushes (it was back before the next one, so the push was
+            # refused, not unavailable): it holds no job of this id. Rejoin and send again, as after an outage.
+            pending.attempt += 1
+            log.warning("aggregator %s does not know this job (restarted); rejoining: %s", address, call.details())
+            timer = threading.Timer(0.0, self._retry, (pending,))
+            timer.daemon = True
+            timer.start()
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
             if pending.unavailable_since is None:
                 pending.unavailable_since = pending.sent_at
@@ -231,3 +239,8 @@ class ShardSender:
             pending.result.set_exception(failure)
             return
         self._transmit(pending)  # still holding its window slot; a failure settles it
+
+
+def _forgot_job(call: grpc.Future) -> bool:
+    """A refusal saying the aggregator holds no job of this id (gradq.server.jobs: ``JobTable.member``)."""
+    return "has no joined ranks; call Join first" in (call.details() or "")

@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
+from gradq.qcore.outer_step import OuterStep
 
 __all__ = ["PulledMean", "push_pull_request", "mean_from_bytes", "join_request", "leave_request"]
 
@@ -38,13 +39,18 @@ def join_request(
     job_ranks: int = 0,
     max_members: int = 0,
     model_signature: str = "",
+    outer_step: OuterStep | None = None,
 ) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
 
     ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member;
     ``max_members`` 0 puts no cap of its own on an elastic job's members;
-    ``model_signature`` "" leaves the host's model unchecked.
+    ``model_signature`` "" leaves the host's model unchecked; ``outer_step`` has
+    the aggregator keep a DiLoCo job's global state (None: it only averages).
     """
+    outer = None
+    if outer_step is not None:
+        outer = pb.OuterStep(lr=outer_step.lr, momentum=outer_step.momentum, nesterov=outer_step.nesterov)
     return pb.JoinRequest(
         job_id=job_id,
         rank=rank,
@@ -55,6 +61,23 @@ def join_request(
         job_ranks=job_ranks,
         max_members=max_members,
         model_signature=model_signature,
+        outer_step=outer,
+    )
+
+
+def outer_seed(
+    job_id: str, rank: int, incarnation: str, step: int, key: int, keys: int, parameters: bytes, momentum: bytes
+) -> pb.OuterSeed:
+    """A SeedOuter: one round key's DiLoCo global state (float32 LE bytes) as this member holds it before ``step``."""
+    return pb.OuterSeed(
+        job_id=job_id,
+        rank=rank,
+        incarnation=incarnation,
+        step=step,
+        key=key,
+        keys=keys,
+        parameters=parameters,
+        momentum=momentum,
     )
 
 

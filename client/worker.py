@@ -22,6 +22,7 @@ from gradq.client.chunks import (
     chunk_key,
     shard_for,
 )
+from gradq.client.discovery import discover_shards
 from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState, fetch_state, send_state, world_of
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError, PendingPush, ShardSender
@@ -32,6 +33,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
 from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
+from gradq.qcore.outer_step import OuterStep
 
 __all__ = [
     "ANY_RANK",
@@ -97,6 +99,8 @@ class WorkerClient:
         max_members: elastic: the most members the job may hold at once (0: no cap of the job's own).
         model_signature: elastic: this host's shared model, one line per tensor
             (gradq.client.session.elastic.model_signature); "" leaves it unchecked.
+        outer_step: elastic: DiLoCo's outer step, which the aggregator then runs on
+            the job's global state (see ``seed_outer``); None: it only averages.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class WorkerClient:
         job_ranks: int | None = None,
         max_members: int = 0,
         model_signature: str = "",
+        outer_step: OuterStep | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -162,6 +167,8 @@ class WorkerClient:
         self.job_ranks = job_ranks
         self.max_members = max_members
         self.model_signature = model_signature
+        self.outer_step = outer_step
+        self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
@@ -176,16 +183,32 @@ class WorkerClient:
         # Per-rank stream so stochastic rounding is independent across ranks.
         self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
-        options = channel_options(max_message_bytes)
+        self._channel_options = channel_options(max_message_bytes)
         self.security = security or ChannelSecurity()
         self._metadata = self.security.metadata()
-        self._channels = [self.security.channel(address, options) for address in self.addresses]
+        self._stats = StatsRecorder(log_every_s)
+        self._pushes_since_sample = 0
+        self._sending = (timeout_s, max_retries, retry_backoff_s, max_in_flight)
+        # One address of a fixed job may be one shard of a group: ``join`` asks it for the others first.
+        self._discover = len(self.addresses) == 1 and not elastic
+        self._channels: list[grpc.Channel] = []
+        self._open_shards(self.addresses)
+
+    def _open_shards(self, addresses: list[str]) -> None:
+        """Channels, stubs and the sender for ``addresses``, in shard order (a channel already open is kept)."""
+        opened = dict(zip(self.addresses, self._channels, strict=False))
+        for address, channel in opened.items():
+            if address not in addresses:
+                channel.close()
+        self.addresses = list(addresses)
+        self._channels = [
+            opened.get(address) or self.security.channel(address, self._channel_options) for address in addresses
+        ]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
         # One Watch stream per shard, held open while joined (see gradq.server.liveness).
         self._watches: list[Any] = [None] * len(self.addresses)
-        self._stats = StatsRecorder(log_every_s)
-        self._pushes_since_sample = 0
+        timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
         self._sender = ShardSender(
             self.addresses,
             [channel.unary_unary(_PUSH_PULL_METHOD) for channel in self._channels],
@@ -204,9 +227,19 @@ class WorkerClient:
     def join(self) -> None:
         """Join the job on every shard, waiting up to ``timeout_s`` for each to come up.
 
+        Given one address (a fixed job), first ask that shard for its group
+        (gradq.client.discovery): the client then talks to every shard of it,
+        in the group's order, and ``addresses`` lists them.
+
         Raises:
-            AggregationError: a shard refused the join or could not be reached.
+            AggregationError: a shard refused the join or could not be reached,
+                or the one shard's group is malformed or does not contain it.
         """
+        if self._discover and not any(self._joined):
+            group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
+            self._discover = False
+            if group != self.addresses:
+                self._open_shards(group)
         # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
         # not before it: an elastic joiner's wait for the state begins at the Join, and a push
         # that needs a kernel still loading waits in numba's compile lock, not in a race.
@@ -228,6 +261,7 @@ class WorkerClient:
             self.job_ranks or 0,
             self.max_members,
             self.model_signature,
+            self.outer_step,
         )
         timeout = self.timeout_s if patience is None else patience
         try:
@@ -238,6 +272,7 @@ class WorkerClient:
             self.rank, self.incarnation, self.catch_up = response.rank, response.incarnation, response.catch_up
             self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, self.rank])
         self._joined[shard] = True
+        self.joins += 1
         self._watch(shard)
 
     def _watch(self, shard: int) -> None:
@@ -323,6 +358,40 @@ class WorkerClient:
         """
         header = serde.state_chunk(self.job_id, self.rank, self.incarnation, joiner, step, 0, b"")
         return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
+
+    def seed_outer(
+        self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
+    ) -> tuple[bool, int, bytes, bytes]:
+        """DiLoCo: seed, or check, the aggregator's global state of round key ``key`` as it stands before ``step``.
+
+        Args:
+            step: the outer round the state starts.
+            key: the round key; ``keys``: how many one outer round holds.
+            parameters: float32 global parameters of the key.
+            momentum: float32 outer momentum, as many (None: zeros).
+
+        Returns:
+            (the aggregator holds exactly these, the outer round its copy starts,
+            its parameters and momentum as float32 LE bytes when they differ, else empty).
+
+        Raises:
+            AggregationError: refused (names why) or unreachable.
+        """
+        request = serde.outer_seed(
+            self.job_id,
+            self.rank,
+            self.incarnation,
+            step,
+            key,
+            keys,
+            np.ascontiguousarray(parameters, dtype="<f4").tobytes(),
+            b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
+        )
+        try:
+            answer = self._stubs[0].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise AggregationError(self.addresses[0], error.code(), error.details() or "") from None
+        return answer.matched, answer.step, answer.parameters, answer.momentum
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""

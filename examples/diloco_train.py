@@ -35,7 +35,7 @@ from char_lm import BATCH, CharTransformer, text, windows
 from torch import nn
 
 from gradq.client.config import GradqConfig
-from gradq.client.diloco import DiLoCo
+from gradq.client.diloco import OUTER_STEP_PLACES, DiLoCo
 
 
 def main() -> None:
@@ -54,18 +54,21 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per inner step (slower compute)")
     parser.add_argument("--progress", type=Path, help="a file this host writes its outer round to after each round")
     parser.add_argument("--report", type=Path, help="this host writes <report>/host<seed>.json and .pt")
+    parser.add_argument("--init-seed", type=int, default=0, help="the seed of this host's initial weights")
+    parser.add_argument("--outer-step", choices=OUTER_STEP_PLACES, default="aggregator", help="where it runs")
     args = parser.parse_args()
     torch.set_num_threads(1)  # hosts emulated on one machine share its cores
     if "RANK" not in os.environ:  # a single process: a process group of its own
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    torch.manual_seed(0)  # every host starts from the same weights
+    torch.manual_seed(args.init_seed)  # with the outer step on the aggregator, every host takes the first's
     model = CharTransformer(args.width, args.layers)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train, held_out = text()
     losses: list[float] = []
     digests: dict[int, str] = {}  # outer round -> digest of the global parameters after it
-    with DiLoCo(GradqConfig.from_env(os.environ), model, inner, sync_every=args.sync_every) as diloco:
+    config = GradqConfig.from_env(os.environ)
+    with DiLoCo(config, model, inner, sync_every=args.sync_every, outer_step=args.outer_step) as diloco:
         if args.resume:
             saved = torch.load(args.checkpoint, weights_only=True)
             model.load_state_dict(saved["model"])
@@ -103,6 +106,7 @@ def main() -> None:
                 "joined_at_round": joined_at,
                 "rejoins": diloco.rejoins,
                 "outer_round": diloco.outer_round,
+                "matches_aggregator": diloco.matches_aggregator(),
                 "digests": digests,
                 "bytes_sent": stats.bytes_sent if stats is not None else 0,
                 "bytes_received": stats.bytes_received if stats is not None else 0,

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
+from gradq.qcore.outer_step import OuterStep
 from gradq.server.budget import MemoryAccount
 from gradq.server.errors import (
     FailedPreconditionError,
@@ -25,6 +26,7 @@ from gradq.server.errors import (
 )
 from gradq.server.limits import ServiceLimits
 from gradq.server.membership import ANY_RANK, Membership
+from gradq.server.outer_state import OuterState
 from gradq.server.round_state import Round
 
 __all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
@@ -71,6 +73,8 @@ class Job:
     feedback_lock: threading.Lock = field(default_factory=threading.Lock)  # a leaf: one mean at a time uses them
     superseded: tuple[str, ...] = ()
     retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
+    # DiLoCo: the outer step and global state the aggregator keeps (JoinRequest.outer_step); None: it only averages.
+    outer: OuterState | None = None
 
     @property
     def world_size(self) -> int:
@@ -124,6 +128,7 @@ class JobTable:
         job_ranks: int = 0,
         max_members: int = 0,
         model_signature: str = "",
+        outer_step: OuterStep | None = None,
     ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
@@ -138,7 +143,9 @@ class JobTable:
         received the state (see gradq.server.membership). ``max_members``
         caps an elastic job's members at once (0: only --max-world-size does).
         ``model_signature`` is an elastic host's model, one line per tensor: the
-        run's first fixes it, a later one that differs is refused.
+        run's first fixes it, a later one that differs is refused. ``outer_step``
+        (elastic only) has the aggregator keep the job's DiLoCo global state
+        (gradq.server.outer_state); the run's first Join fixes it too.
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
@@ -165,6 +172,11 @@ class JobTable:
             raise InvalidArgumentError(
                 f"model_signature holds {len(model_signature)} characters; expected at most "
                 f"{MAX_SIGNATURE_CHARACTERS} (one line per tensor of the host's model)"
+            )
+        if outer_step is not None and not elastic:
+            raise InvalidArgumentError(
+                f"outer_step ({outer_step.describe()}) is only valid in an elastic Join: DiLoCo's hosts are the "
+                "members of an elastic job"
             )
         if not 1 <= ranks <= self.limits.max_world_size:
             raise InvalidArgumentError(
@@ -212,6 +224,7 @@ class JobTable:
                 job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
             job.members.check_join(world_size, job_ranks, ranks, job.describe, max_members)
             job.members.check_model(model_signature, job.describe)
+            _check_outer_step(job, outer_step)
             rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
             job.last_active = now
             joined = len(job.members.joined)
@@ -335,6 +348,21 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
+
+
+def _check_outer_step(job: Job, outer_step: OuterStep | None) -> None:
+    """The run's first Join fixes the job's outer step; a later Join must name the same. Caller holds the lock."""
+    if job.members.empty and job.outer is None:
+        job.outer = OuterState(outer_step) if outer_step is not None else None
+        return
+    held = job.outer.step if job.outer is not None else None
+    if held != outer_step:
+        mine = outer_step.describe() if outer_step is not None else "none (the aggregator only averages)"
+        theirs = held.describe() if held is not None else "none (the aggregator only averages)"
+        raise FailedPreconditionError(
+            f"outer_step {mine} does not match {job.describe()}, whose outer step is {theirs}; every host of a "
+            f"DiLoCo job must run the outer step in the same place with the same settings"
+        )
 
 
 def _count(number: int, noun: str) -> str:

@@ -186,7 +186,7 @@ class Membership:
         Raises:
             FailedPreconditionError: ``sender`` is not a member training, or ``joiner`` is not pending.
         """
-        if sender not in self.joined:
+        if sender != ANY_RANK and sender not in self.joined:  # ANY_RANK: the aggregator's own copy (DiLoCo)
             raise FailedPreconditionError(
                 f"member {sender} is not training in elastic {describe()}; only a live member sends the state"
             )

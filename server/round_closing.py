@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from gradq.qcore import QuantizedArray, encode
+from gradq.qcore import QuantizedArray, decode, encode
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
@@ -37,6 +37,8 @@ class RoundCloser:
         accumulators: where a finished round's accumulator goes for the next round.
         package: turns a result into its wire answer, once per round.
         observer: told about every finished round (metrics).
+        outer_boundary: told when a DiLoCo job's global state on the aggregator
+            is whole before an outer round (under the round's lock; must not block).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class RoundCloser:
         accumulators: AccumulatorPool,
         package: Callable[[RoundResult], bytes] | None,
         observer: RoundObserver | None,
+        outer_boundary: Callable[[Job, int], None] = lambda job, step: None,
     ) -> None:
         self.policy = policy
         self._jobs = jobs
@@ -54,6 +57,7 @@ class RoundCloser:
         self._accumulators = accumulators
         self._package = package
         self._observer = observer
+        self._outer_boundary = outer_boundary
         self.counters = {
             "rounds_completed": 0,
             "rounds_partial": 0,
@@ -86,6 +90,9 @@ class RoundCloser:
             )
             self.fail(job, rnd, error, "overflow")
             return
+        if job.outer is not None and job.outer.advance(rnd.bucket, rnd.step, decode(encoded)):
+            # The aggregator's copy of the global state took the mean every member receives, as they will.
+            self._outer_boundary(job, rnd.step + 1)
         if self._observer is not None:
             rnd.relative_error = relative_error(mean, encoded)
         result = RoundResult(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradq.qcore import QuantizedArray
+from gradq.qcore.outer_step import OuterStep
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import (
@@ -91,11 +92,19 @@ class RoundTable:
         self.jobs = JobTable(self.limits, policy.world_size)
         self.budget = MemoryBudget(self.limits.max_memory_bytes)
         self.accumulators = AccumulatorPool()
-        self._closer = RoundCloser(policy, self.jobs, self.budget, self.accumulators, package, observer)
+        self._closer = RoundCloser(
+            policy, self.jobs, self.budget, self.accumulators, package, observer, self._outer_boundary
+        )
         self.counters = self._closer.counters
         self._job_finished = job_finished
         # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
         self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
+        # Told (under a round's lock: it must not block) when a DiLoCo job's global state on the aggregator is
+        # whole before an outer round: the joiners waiting then receive it (gradq.server.outer_joiners).
+        self.outer_boundary: Callable[[Job, int], None] = lambda job, step: None
+
+    def _outer_boundary(self, job: Job, step: int) -> None:
+        self.outer_boundary(job, step)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -111,13 +120,15 @@ class RoundTable:
         job_ranks: int = 0,
         max_members: int = 0,
         model_signature: str = "",
+        outer_step: OuterStep | None = None,
     ) -> JoinAnswer:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
         Also for elastic members (``rank`` may be ANY_RANK). ``job_ranks`` is
         the job's ranks in all (0: ``world_size``): --world-size counts those.
         ``max_members`` caps an elastic job's members (0: no cap of its own);
-        ``model_signature`` is an elastic host's model (see ``JobTable.join``).
+        ``model_signature`` is an elastic host's model, ``outer_step`` a DiLoCo
+        job's outer step on the aggregator (see ``JobTable.join``).
 
         Returns:
             The job's world size, the members joined, which member and run were joined.
@@ -138,6 +149,7 @@ class RoundTable:
             job_ranks,
             max_members,
             model_signature,
+            outer_step,
         )
         self._retire(retired)
         with self.jobs.lock:
@@ -223,6 +235,8 @@ class RoundTable:
                 residuals = gone.job.error_feedback
                 held = sum(_nbytes(residuals.residual(key)) for key in list(residuals.keys()))
                 residuals.reset()
+            if gone.job.outer is not None:
+                held += gone.job.outer.forget()
             with self.jobs.lock:
                 held += GRID_ENTRY_BYTES * len(gone.job.grids)
                 gone.job.grids.clear()

@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
+from gradq.qcore.outer_step import OuterStep
 from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
 
@@ -166,3 +168,65 @@ def _parse(data: bytes, message: type[M]) -> M:
         return message.FromString(data)
     except DecodeError as error:
         raise InvalidArgumentError(f"request is not a {message.DESCRIPTOR.full_name}: {error}") from None
+
+
+def outer_step_of(request: pb.JoinRequest) -> OuterStep | None:
+    """A Join's outer step (DiLoCo on the aggregator), or None when it has none.
+
+    Raises:
+        InvalidArgumentError: naming the field, its value and what was expected.
+    """
+    if not request.HasField("outer_step"):
+        return None
+    given = request.outer_step
+    try:
+        return OuterStep(given.lr, given.momentum, given.nesterov)
+    except ValueError as error:
+        raise InvalidArgumentError(f"outer_step.{error}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Seed:
+    """A SeedOuter request, checked: one round key's global state as a member holds it before ``step``."""
+
+    job_id: str
+    rank: int
+    incarnation: str
+    step: int
+    key: int
+    keys: int
+    parameters: np.ndarray
+    momentum: np.ndarray | None
+
+
+def seed_from_bytes(data: bytes) -> Seed:
+    """Parse and check a serialized OuterSeed.
+
+    Raises:
+        InvalidArgumentError: not an OuterSeed, or its arrays are not whole float32 values of equal length.
+    """
+    request = _parse(data, pb.OuterSeed)
+    arrays = []
+    for name in ("parameters", "momentum"):
+        raw = getattr(request, name)
+        if len(raw) % 4:
+            raise InvalidArgumentError(f"{name} holds {len(raw)} bytes; expected float32 values (a multiple of 4)")
+        arrays.append(np.frombuffer(raw, dtype="<f4"))
+    parameters, momentum = arrays
+    if parameters.size == 0:
+        raise InvalidArgumentError("parameters is empty; expected the round key's global parameters (float32)")
+    return Seed(
+        request.job_id,
+        request.rank,
+        request.incarnation,
+        request.step,
+        request.key,
+        request.keys,
+        parameters,
+        momentum if momentum.size else None,
+    )
+
+
+def seeded_to_bytes(matched: bool, step: int, parameters: bytes = b"", momentum: bytes = b"") -> bytes:
+    """The answer to a SeedOuter: matched, or the aggregator's copy to adopt."""
+    return pb.OuterSeeded(matched=matched, step=step, parameters=parameters, momentum=momentum).SerializeToString()

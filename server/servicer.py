@@ -22,12 +22,13 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.server import serde
+from gradq.server import outer_service, serde
 from gradq.server.auth import check_scope, scoped_rank
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
 from gradq.server.jobs import Job
 from gradq.server.liveness import Liveness
 from gradq.server.membership import ANY_RANK
+from gradq.server.outer_service import OuterJoiners
 from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
 from gradq.server.state_relay import StateHeader, StateRelays
 from gradq.server.waiting import WaitingCalls, peer_host
@@ -119,6 +120,8 @@ class AggregatorServicer:
         self.liveness = liveness
         self.relays = StateRelays(table, self.membership_changed)
         table.membership_changed = self.membership_changed
+        self.outer_joiners = OuterJoiners(table, self.relays)
+        table.outer_boundary = self._outer_boundary
         self._observe_membership = membership_observer
         # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace.
         self._stopping = asyncio.Event()
@@ -132,6 +135,7 @@ class AggregatorServicer:
         request = await _call(context, serde.join_from_bytes, raw.take())
         rank = scoped_rank(request.rank, ANY_RANK)
         await _call(context, check_scope, request.job_id, rank)
+        outer_step = await _call(context, serde.outer_step_of, request)
         peer = peer_host(context.peer())
         answer = await _in_pool(
             context,
@@ -146,6 +150,7 @@ class AggregatorServicer:
             request.job_ranks,
             request.max_members,
             request.model_signature,
+            outer_step,
         )
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up
@@ -310,6 +315,18 @@ class AggregatorServicer:
                 relay.fail(UnavailableError(f"member {relay.header.sender if relay.header else '?'} stopped sending"))
             raise
 
+    async def SeedOuter(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
+        """DiLoCo: a member seeds, or checks, the job's global state for one round key."""
+        request = await _in_pool(context, serde.seed_from_bytes, raw.take())
+        await _call(context, check_scope, request.job_id, request.rank)
+        seeded = await _in_pool(context, outer_service.seed, self.table, request)
+        parameters, momentum = seeded.held or (b"", b"")
+        return serde.seeded_to_bytes(seeded.matched, seeded.step, parameters, momentum)
+
+    def _outer_boundary(self, job: Job, step: int) -> None:
+        if self._loop is not None:  # known from the first Watch; a DiLoCo member opens one when it joins
+            self.outer_joiners.boundary(job, step, self._loop)
+
     async def Leave(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.leave_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
@@ -332,7 +349,7 @@ def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMetho
         name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=RawRequest, response_serializer=_as_bytes
         )
-        for name in ("Join", "PushPull", "Leave")
+        for name in ("Join", "PushPull", "Leave", "SeedOuter")
     }
     for name in ("Watch", "FetchState"):
         handlers[name] = grpc.unary_stream_rpc_method_handler(

@@ -180,6 +180,36 @@ class StateRelays:
         if self._relays.pop((relay.job, relay.joiner), None) is relay:
             self._table.budget.adjust(RELAY_BYTES, 0, relay.job.memory)
 
+    def claim_by_aggregator(self, job: Job, step: int, header: StateHeader) -> list[Relay]:
+        """The aggregator itself sends ``job``'s waiting joiners the state (DiLoCo's global state, see
+        gradq.server.outer_service): they are admitted from outer round ``step`` on.
+
+        Returns:
+            The relays claimed; none when a round of ``step`` or later has opened (too late for this
+            boundary: the joiners wait for the next) or the run was retired.
+        """
+        jobs = self._table.jobs
+        with jobs.lock:
+            if job.retired or any(rnd_step >= step for rnd_step, _ in job.rounds):
+                return []
+            claimed = [relay for (owner, _), relay in self._relays.items() if owner is job and relay.header is None]
+            for relay in claimed:
+                job.members.admit(relay.joiner, header.sender, job.describe)
+                relay.header = header
+            members = len(job.members.joined)
+        for relay in claimed:
+            log.info(
+                "member %d admitted to %s at outer round %d (%d members): %d bytes of global state from the aggregator",
+                relay.joiner,
+                job.describe(),
+                step,
+                members,
+                header.total_bytes,
+            )
+        if claimed:
+            self._changed(job, "admitted")
+        return claimed
+
     def claim(self, job_id: str, rank: int, incarnation: str, joiner: int, header: StateHeader) -> Relay:
         """A training member starts sending ``joiner`` the state: the joiner trains from ``header.step`` on.
 

@@ -4,6 +4,6 @@
 Importing this package loads torch.
 """
 
-from gradq.client.diloco.outer import DEFAULT_BUCKET_ELEMENTS, DiLoCo, default_outer_optimizer
+from gradq.client.diloco.outer import DEFAULT_BUCKET_ELEMENTS, OUTER_STEP_PLACES, DiLoCo, default_outer_optimizer
 
-__all__ = ["DEFAULT_BUCKET_ELEMENTS", "DiLoCo", "default_outer_optimizer"]
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]

@@ -19,19 +19,30 @@ How it runs here:
   laid end to end in buckets of at most ``bucket_elements``, bucket k is round
   key k. Pseudo-gradients are compressed with the session's grid and error
   feedback (per parameter, kept across rounds and checkpoints).
-- The aggregator averages; every host applies the same mean to the same
-  global parameters with the same outer optimizer, so all hosts hold
-  bit-identical global parameters after every outer round.
+- By default (``outer_step="aggregator"``) the outer step runs on the
+  aggregator: the job's global parameters and outer momentum live there
+  (gradq.server.outer_state), charged to its memory budget, and every host
+  keeps the same copy by applying the same mean with the same float32
+  operations (gradq.client.diloco.on_aggregator). A joiner takes the global
+  state from the aggregator, with no donor host; a restarted aggregator is
+  seeded again from the hosts' copies; hosts that start from different
+  weights all take the first one's. The outer optimizer is SGD with momentum
+  (Nesterov or not), read from ``outer_optimizer``.
+- With ``outer_step="hosts"`` the aggregator only averages; every host
+  applies the mean with its own ``outer_optimizer`` (any torch optimizer), and
+  a joiner takes the state from a live host.
+- Either way every host holds bit-identical global parameters after every
+  outer round.
 - A host lost mid-round is dropped by the aggregator, which finishes the round
   over the others. A host dropped because it fell silent (stopped, hung,
   partitioned) and then comes back finds its next push refused: it joins
   again as a joiner and takes the global state, never training on its own.
-  A host that joins later receives the global state (the global parameters,
-  the outer optimizer, the round counters, its model and inner optimizer)
-  from a live host at the next outer-round boundary, through the aggregator,
-  and is bit-identical from there on.
-
-The outer step runs on the hosts; the aggregator only averages.
+  A host that joins later receives the global state at the next outer-round
+  boundary and is bit-identical from there on: from the aggregator's copy
+  (the global parameters and momentum; its inner optimizer starts afresh, as
+  every DiLoCo replica's is its own), or with ``outer_step="hosts"`` from a
+  live host (the global parameters, the outer optimizer, the round counters,
+  its model and inner optimizer).
 """
 
 from __future__ import annotations
@@ -45,17 +56,19 @@ import torch.distributed as dist
 from torch import nn
 
 from gradq.client.config import GradqConfig
+from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
 from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
 from gradq.client.stats import ClientStats
 
-__all__ = ["DEFAULT_BUCKET_ELEMENTS", "DiLoCo", "default_outer_optimizer"]
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4M elements (16 MiB of fp32) per round key: rounds pipeline, memory stays flat
+OUTER_STEP_PLACES = ("aggregator", "hosts")  # where the outer step runs (see the module docstring)
 
 
 def default_outer_optimizer(parameters: Iterator[nn.Parameter] | Sequence[nn.Parameter]) -> torch.optim.Optimizer:
@@ -84,10 +97,15 @@ class DiLoCo:
         sync_every: H, the inner steps between outer rounds.
         process_group: the host's ranks (None: the default group of its own launch).
         bucket_elements: the most elements one round key carries.
+        outer_step: where the outer step runs, one of ``OUTER_STEP_PLACES``:
+            "aggregator" (the default; ``outer_optimizer`` must then be SGD
+            without dampening or weight decay) or "hosts".
 
     Raises:
         ValueError: ``sync_every`` < 1, ``bucket_elements`` < 1, ``elastic_hosts`` unset,
-            or an outer optimizer over other parameters than the model's.
+            an outer optimizer over other parameters than the model's, an
+            unknown ``outer_step``, or an outer optimizer or bit policy the
+            aggregator does not run.
     """
 
     def __init__(
@@ -99,6 +117,7 @@ class DiLoCo:
         sync_every: int = 50,
         process_group: dist.ProcessGroup | None = None,
         bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+        outer_step: str = "aggregator",
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} is invalid; expected an integer >= 1 (inner steps per round)")
@@ -109,14 +128,28 @@ class DiLoCo:
                 "elastic_hosts=0: DiLoCo's hosts are the members of an elastic job; set elastic_hosts "
                 "(GRADQ_ELASTIC_HOSTS) to the number of hosts the job starts with"
             )
+        if outer_step not in OUTER_STEP_PLACES:
+            raise ValueError(f"outer_step={outer_step!r} is invalid; expected one of {list(OUTER_STEP_PLACES)}")
+        if outer_step == "aggregator" and config.bit_policy == "adaptive":
+            raise ValueError(
+                "bit_policy='adaptive' plans new round keys every step; the aggregator's copy of the global "
+                "state needs fixed ones: use bit_policy='uniform', or outer_step='hosts'"
+            )
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
         self.parameters = [param for param in model.parameters() if param.requires_grad]
         self.outer_optimizer = outer_optimizer or default_outer_optimizer(self.parameters)
         _check_outer_optimizer(self.outer_optimizer, self.parameters)
         self.sync_every, self.process_group = sync_every, process_group
         self.buckets = _buckets(self.parameters, bucket_elements)
-        # The global parameters: where every host started this outer round from.
-        self.global_parameters = [param.detach().clone() for param in self.parameters]
+        self.outer_step = outer_step
+        # outer_step="aggregator": this host's copy of the job's global state, as the aggregator holds it.
+        self.on_aggregator: GlobalState | None = None
+        if outer_step == "aggregator":
+            self.on_aggregator = GlobalState(self.parameters, self.buckets, outer_step_of(self.outer_optimizer))
+            self.global_parameters = self.on_aggregator.views  # float32 views of its flat buckets
+        else:
+            # The global parameters: where every host started this outer round from.
+            self.global_parameters = [param.detach().clone() for param in self.parameters]
         self.outer_round = 0  # the next outer round: the job's step
         self.inner_steps = 0  # inner steps taken, in all
         self.session: GradqSession | None = None
@@ -140,16 +173,38 @@ class DiLoCo:
             the job, the live hosts' next round for one that joins it.
         """
         if self.session is None:
-            signature = model_signature(self._shared())
-            self.session = GradqSession.connect(self.config, self.process_group, model_signature=signature)
-            if self.session.mode != "gradq":
-                raise RuntimeError(
-                    f"DiLoCo cannot fall back ({self.session.mode!r}): its hosts have no common process group "
-                    f"across the link; start the aggregator, or set fallback='error' to be told at once"
-                )
-            self.outer_round = receive_training_state(self.session, self._shared(), self.outer_round)
+            self.session = self._connect()
+            self._enter()
             self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         return self.outer_round
+
+    def _connect(self) -> GradqSession:
+        state = self.on_aggregator
+        session = GradqSession.connect(
+            self.config,
+            self.process_group,
+            model_signature=model_signature(self._shared()),
+            outer_step=state.step if state is not None else None,
+        )
+        if session.mode != "gradq":
+            raise RuntimeError(
+                f"DiLoCo cannot fall back ({session.mode!r}): its hosts have no common process group "
+                f"across the link; start the aggregator, or set fallback='error' to be told at once"
+            )
+        return session
+
+    def _enter(self) -> None:
+        """A joiner takes the global state (from the aggregator or a live host); a starting host seeds it."""
+        session, state = self._connected(), self.on_aggregator
+        if state is None:
+            self.outer_round = receive_training_state(session, self._shared(), self.outer_round)
+            return
+        assert session.client is not None
+        if session.client.catch_up:
+            self.outer_round = state.receive(session)
+            self.inner_steps = self.outer_round * self.sync_every
+        else:
+            state.seed(session, self.outer_round)
 
     def close(self) -> None:
         """Stop syncing and leave the job; idempotent."""
@@ -184,6 +239,9 @@ class DiLoCo:
             self._rejoin(error)
 
     def _round(self) -> None:
+        if self.on_aggregator is not None:
+            self._round_on_aggregator(self.on_aggregator)
+            return
         session = self._connected()
         step = self.outer_round
         means = []
@@ -211,6 +269,23 @@ class DiLoCo:
         # The boundary a joiner enters at: the model holds the new global parameters.
         serve_joiners(session, self._shared(), self.outer_round)
 
+    def _round_on_aggregator(self, state: GlobalState) -> None:
+        session = self._connected()
+        step = self.outer_round
+        means = []
+        for key, (begin, end) in enumerate(self.buckets):
+            means.append(session.reduce(state.pseudo_gradient(key), step, key, parameters=self.parameters[begin:end]))
+        session.end_step()
+        for key, future in enumerate(means):  # every bucket is in flight before the first wait
+            state.apply(key, future.wait())
+        state.load_into_model()
+        self.outer_round = step + 1
+        assert session.client is not None
+        if session.client.joins != state.seeded_joins:
+            # The worker client joined again: a restarted aggregator, which holds no global state. Seed it.
+            log.warning("the aggregator of %s was restarted; seeding it with this host's global state", session.job_id)
+            state.seed(session, self.outer_round)
+
     def _rejoin(self, error: AggregationError) -> None:
         """This host was dropped (it fell silent past the keepalive): join again as a joiner, take the state.
 
@@ -220,10 +295,8 @@ class DiLoCo:
         log.warning("this host was dropped from %s (%s); rejoining as a joiner", self.config.job_id, error.details)
         assert self.session is not None
         self.session.close()
-        self.session = GradqSession.connect(
-            self.config, self.process_group, model_signature=model_signature(self._shared())
-        )
-        self.outer_round = receive_training_state(self.session, self._shared(), self.outer_round)
+        self.session = self._connect()
+        self._enter()
         self.rejoins += 1
         log.warning("rejoined %s at outer round %d", self.config.job_id, self.outer_round)
 
@@ -251,6 +324,20 @@ class DiLoCo:
         if residuals:
             session = self._connected()
             session.residuals.load_state_dict(residuals)
+        if self.on_aggregator is not None:
+            self.on_aggregator.load_into_model()
+            if self.session is not None:  # the aggregator's copy becomes the checkpoint's round
+                self.on_aggregator.seed(self.session, self.outer_round)
+
+    def matches_aggregator(self) -> bool:
+        """Whether the aggregator holds this host's global parameters and outer momentum, bit for bit.
+
+        A check for tests and operators (it sends the host's copy, one model's
+        worth); with ``outer_step="hosts"`` the aggregator holds none: False.
+        """
+        if self.on_aggregator is None:
+            return False
+        return self.on_aggregator.matches(self._connected(), self.outer_round)
 
     def world(self) -> JobWorld | None:
         """The job's hosts now and the ranks they stand for, as last announced."""
@@ -261,7 +348,13 @@ class DiLoCo:
         return self.session.stats() if self.session is not None else None
 
     def _shared(self) -> list[Any]:
-        """What a joining host receives: the outer loop's state, the model, the inner optimizer."""
+        """What a joining host receives from a live host: the outer loop's state, the model, the inner optimizer.
+
+        With the outer step on the aggregator, a joiner receives the global
+        state from it instead; the model alone then names the job's model.
+        """
+        if self.on_aggregator is not None:
+            return check_shareable([self.model])
         return check_shareable([_GlobalState(self), self.model, self.inner_optimizer])
 
     def _connected(self) -> GradqSession:
@@ -278,18 +371,28 @@ class _GlobalState:
 
     def state_dict(self) -> dict[str, Any]:
         diloco = self.diloco
+        counters = {"outer_round": diloco.outer_round, "inner_steps": diloco.inner_steps}
+        if diloco.on_aggregator is not None:
+            return {**counters, **diloco.on_aggregator.state_dict()}
         return {
-            "outer_round": diloco.outer_round,
-            "inner_steps": diloco.inner_steps,
+            **counters,
             "global_parameters": [start.clone() for start in diloco.global_parameters],
             "outer_optimizer": diloco.outer_optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         diloco = self.diloco
-        missing = sorted({"outer_round", "inner_steps", "global_parameters", "outer_optimizer"} - set(state))
+        outer = "outer_momentum" if diloco.on_aggregator is not None else "outer_optimizer"
+        missing = sorted({"outer_round", "inner_steps", "global_parameters", outer} - set(state))
         if missing:
-            raise ValueError(f"state lacks {', '.join(missing)}; expected the output of DiLoCo.state_dict()")
+            raise ValueError(
+                f"state lacks {', '.join(missing)}; expected the output of DiLoCo.state_dict() with "
+                f"outer_step={diloco.outer_step!r}"
+            )
+        if diloco.on_aggregator is not None:
+            diloco.on_aggregator.load_state_dict(state)
+            diloco.outer_round, diloco.inner_steps = int(state["outer_round"]), int(state["inner_steps"])
+            return
         saved = state["global_parameters"]
         shapes = [tuple(start.shape) for start in diloco.global_parameters]
         if [tuple(start.shape) for start in saved] != shapes:

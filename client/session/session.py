@@ -40,6 +40,7 @@ from gradq.client.session.lifecycle import Membership, draw_run_names
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
+from gradq.qcore.outer_step import OuterStep
 
 __all__ = ["GradqSession"]
 
@@ -103,6 +104,7 @@ class GradqSession:
         group: dist.ProcessGroup | None = None,
         host: HostGroup | None = None,
         model_signature: str = "",
+        outer_step: OuterStep | None = None,
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
@@ -116,6 +118,8 @@ class GradqSession:
         ``model_signature`` is an elastic host's shared model
         (gradq.client.session.elastic.model_signature): the aggregator refuses
         a host whose model differs from the job's, naming the first difference.
+        ``outer_step`` (elastic) has the aggregator keep a DiLoCo job's global
+        state (gradq.client.diloco); None: it only averages.
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -151,6 +155,7 @@ class GradqSession:
                 job_ranks=job_ranks,
                 max_members=config.elastic_max_hosts,
                 model_signature=model_signature,
+                outer_step=outer_step,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,
@@ -232,6 +237,23 @@ class GradqSession:
         )
         self._step_futures.append(reduced)
         return reduced
+
+    def round_keys(self, key: int, numel: int) -> list[tuple[int, int, int]]:
+        """Every round a tensor of ``numel`` reduced under ``key`` travels as, across the host: (round key, begin, end).
+
+        Ascending round keys; the ranks of a host between them push them all
+        (``reduce`` pushes this rank's). The uniform grid's layout: an adaptive
+        bit policy plans its pieces anew each step, so it has no fixed one.
+        """
+        assert self.client is not None, "a session in fallback pushes no rounds"
+        whole = replace(self.host, local_rank=0, local_size=1)  # a rank that pushes every piece
+        segments, _ = whole.segments([(key, Piece(0, numel, self.config.quant))])
+        rounds = [
+            (chunk, begin + chunk_begin, begin + chunk_end)
+            for piece_key, begin, end in segments
+            for chunk, chunk_begin, chunk_end in self.client.round_keys(piece_key, end - begin)
+        ]
+        return sorted(rounds)
 
     def end_step(self) -> None:
         """The caller has reduced every tensor of this step (DDP: after its last bucket)."""

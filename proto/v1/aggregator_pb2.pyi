@@ -47,7 +47,7 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class JoinRequest(_message.Message):
     JOB_RANKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -66,7 +67,18 @@ class JoinRequest(_message.Message):
     job_ranks: int
     max_members: int
     model_signature: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ...) -> None: ...
+    outer_step: OuterStep
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ...) -> None: ...
+
+class OuterStep(_message.Message):
+    __slots__ = ("lr", "momentum", "nesterov")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    momentum: float
+    nesterov: bool
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("world_size", "server_id", "joined", "rank", "incarnation", "catch_up")
@@ -187,3 +199,45 @@ class PutStateResponse(_message.Message):
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     relayed_bytes: int
     def __init__(self, relayed_bytes: _Optional[int] = ...) -> None: ...
+
+class OuterSeed(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation", "step", "key", "keys", "parameters", "momentum")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: str
+    step: int
+    key: int
+    keys: int
+    parameters: bytes
+    momentum: bytes
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[int] = ..., keys: _Optional[int] = ..., parameters: _Optional[bytes] = ..., momentum: _Optional[bytes] = ...) -> None: ...
+
+class OuterSeeded(_message.Message):
+    __slots__ = ("matched", "step", "parameters", "momentum")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    matched: bool
+    step: int
+    parameters: bytes
+    momentum: bytes
+    def __init__(self, matched: _Optional[bool] = ..., step: _Optional[int] = ..., parameters: _Optional[bytes] = ..., momentum: _Optional[bytes] = ...) -> None: ...
+
+class ShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardsResponse(_message.Message):
+    __slots__ = ("addresses",)
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...

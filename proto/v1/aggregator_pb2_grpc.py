@@ -64,6 +64,16 @@ class AggregatorStub:
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.FromString,
                 _registered_method=True)
+        self.SeedOuter = channel.unary_unary(
+                '/gradq.v1.Aggregator/SeedOuter',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeed.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeeded.FromString,
+                _registered_method=True)
+        self.Shards = channel.unary_unary(
+                '/gradq.v1.Aggregator/Shards',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsRequest.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsResponse.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -119,6 +129,22 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SeedOuter(self, request, context):
+        """DiLoCo: seed, or check, the job's global state for one round key
+        (see OuterSeed). A joiner of such a job receives that state from the
+        aggregator itself through FetchState, at the next outer-round boundary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shards(self, request, context):
+        """The shards of this shard's group, in shard order: a worker given one shard's address learns the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +177,16 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.PutState,
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.SerializeToString,
+            ),
+            'SeedOuter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SeedOuter,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeed.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeeded.SerializeToString,
+            ),
+            'Shards': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shards,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsRequest.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +351,60 @@ class Aggregator:
             '/gradq.v1.Aggregator/PutState',
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.StateChunk.SerializeToString,
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.PutStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SeedOuter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradq.v1.Aggregator/SeedOuter',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeed.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.OuterSeeded.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradq.v1.Aggregator/Shards',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsRequest.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.ShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,9 +87,30 @@ def assert_identical(hosts: Sequence[Host]) -> None:
             assert torch.equal(mine, theirs)
 
 
-def test_every_outer_round_leaves_the_hosts_bit_identical(aggregator: AggregatorServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("outer_step", ["aggregator", "hosts"])
+def test_every_outer_round_leaves_the_hosts_bit_identical(
+    aggregator: AggregatorServer, tmp_path: Path, outer_step: str
+) -> None:
     rounds = 5
-    hosts = train(aggregator, "diloco-sync", tmp_path, "--rounds", str(rounds))
+    out = tmp_path
+    out.mkdir(parents=True, exist_ok=True)
+    # On the aggregator, the hosts may start from different weights: they all take the first seed's.
+    processes = [
+        start(
+            aggregator,
+            f"diloco-sync-{outer_step}",
+            seed,
+            out,
+            "--rounds",
+            str(rounds),
+            "--outer-step",
+            outer_step,
+            "--init-seed",
+            str(seed if outer_step == "aggregator" else 0),
+        )
+        for seed in range(3)
+    ]
+    hosts = finish(processes, out, range(3))
 
     digests = [host.figures["digests"] for host in hosts]
     assert sorted(digests[0], key=int) == [str(round_) for round_ in range(1, rounds + 1)]
@@ -102,6 +123,50 @@ def test_every_outer_round_leaves_the_hosts_bit_identical(aggregator: Aggregator
     parameters = sum(values.numel() for values in hosts[0].global_parameters)
     per_round = hosts[0].figures["bytes_sent"] / rounds
     assert parameters * 4 / 8 <= per_round <= parameters * 4 / 8 * 1.25
+    # The aggregator's copy of the global state is every host's, bit for bit (it holds none of its own on "hosts").
+    assert [host.figures["matches_aggregator"] for host in hosts] == [outer_step == "aggregator"] * 3
+
+
+def test_an_aggregator_restart_loses_no_training(aggregator: AggregatorServer, tmp_path: Path) -> None:
+    # Two hosts, so that the sums agree bit for bit whatever the order of arrival (see the checkpoint test).
+    seeds, rounds = range(2), 6
+    common = ("--rounds", str(rounds), "--step-delay", "0.01")
+    (tmp_path / "steady").mkdir()
+    steady = finish(
+        [start(aggregator, "diloco-steady", seed, tmp_path / "steady", *common, hosts=2) for seed in seeds],
+        tmp_path / "steady",
+        seeds,
+    )
+    restarted = AggregatorServer(
+        RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions("127.0.0.1:0")
+    )
+    restarted.start()
+    port = restarted.port
+    out, progress = tmp_path / "restarted", tmp_path / "progress"
+    out.mkdir()
+    processes = [
+        start(restarted, "diloco-restart", 0, out, *common, "--progress", str(progress), hosts=2),
+        start(restarted, "diloco-restart", 1, out, *common, hosts=2),
+    ]
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 2):
+            assert time.monotonic() < deadline and processes[0].poll() is None, (out / "host0.log").read_text()
+            time.sleep(0.05)
+        restarted.stop()  # everything the aggregator held is gone: the global state, the momentum, the rounds
+        restarted = AggregatorServer(
+            RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions(f"127.0.0.1:{port}")
+        )
+        restarted.start()
+        hosts = finish(processes, out, seeds)
+    finally:
+        restarted.stop()
+
+    for host, same in zip(hosts, steady, strict=True):
+        assert host.figures["digests"] == same.figures["digests"]  # every round, as if nothing had happened
+        assert host.figures["losses"] == same.figures["losses"]
+        assert host.figures["matches_aggregator"]  # the new aggregator was seeded with the hosts' state
+    assert "seeding it with this host's global state" in (out / "host0.log").read_text()
 
 
 def test_a_checkpoint_resumes_exactly(aggregator: AggregatorServer, tmp_path: Path) -> None:

@@ -1,0 +1,239 @@
+"""DiLoCo's outer step on the aggregator: the host's half (the aggregator's is gradq.server.outer_state).
+
+The job's global parameters and outer momentum live on the aggregator, one
+pair of float32 arrays per round key. Every host keeps the same pair in the
+same layout (it needs the global parameters for its pseudo-gradients anyway):
+after each outer round it applies the mean it received with
+``gradq.qcore.outer_step.take_outer_step``, as the aggregator did, so the two
+copies agree bit for bit. That is what lets
+
+- a joiner take the state from the aggregator, with no donor host: the
+  aggregator sends its copy at the next outer-round boundary;
+- a restarted aggregator lose nothing: the hosts seed it again from theirs,
+  momentum included, after the rejoin;
+- hosts that start from different weights agree: the first seed is the job's,
+  and the others adopt it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradq.client.sending import AggregationError
+from gradq.client.session import GradqSession
+from gradq.qcore.outer_step import OuterStep, take_outer_step
+
+__all__ = ["GlobalState", "outer_step_of"]
+
+log = logging.getLogger(__name__)
+
+
+def outer_step_of(optimizer: torch.optim.Optimizer) -> OuterStep:
+    """The aggregator's outer step for an outer optimizer: torch.optim.SGD without dampening or weight decay.
+
+    Raises:
+        ValueError: another optimizer, or SGD settings the aggregator does not run.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        raise ValueError(
+            f"outer_optimizer is {type(optimizer).__name__}; the aggregator runs SGD with momentum "
+            f"(torch.optim.SGD) only; pass outer_step='hosts' to run another optimizer on the hosts"
+        )
+    settings = {
+        (g["lr"], g["momentum"], g["nesterov"], g["dampening"], g["weight_decay"]) for g in optimizer.param_groups
+    }
+    if len(settings) != 1:
+        raise ValueError(f"outer_optimizer has {len(settings)} settings across its groups; expected one")
+    lr, momentum, nesterov, dampening, weight_decay = settings.pop()
+    if dampening or weight_decay or optimizer.defaults.get("maximize"):
+        raise ValueError(
+            f"outer_optimizer has dampening={dampening}, weight_decay={weight_decay}; the aggregator's outer step "
+            f"has neither (pass outer_step='hosts' to run them on the hosts)"
+        )
+    return OuterStep(float(lr), float(momentum), bool(nesterov))
+
+
+class GlobalState:
+    """This host's copy of the job's global parameters and outer momentum, one flat float32 run per bucket.
+
+    Args:
+        parameters: the model's trainable parameters, in order.
+        buckets: ``[begin, end)`` runs of ``parameters``, one per outer round key.
+        step: the outer step's settings.
+    """
+
+    def __init__(self, parameters: Sequence[nn.Parameter], buckets: Sequence[tuple[int, int]], step: OuterStep):
+        self.parameters, self.buckets, self.step = list(parameters), list(buckets), step
+        self.flat = [
+            torch.cat([p.detach().reshape(-1).float().cpu() for p in self.parameters[b:e]]) for b, e in self.buckets
+        ]
+        self.momentum = [torch.zeros_like(flat) for flat in self.flat]
+        # The global parameters shaped like the model's: views of ``flat``.
+        self.views: list[torch.Tensor] = []
+        for (begin, end), flat in zip(self.buckets, self.flat, strict=True):
+            offset = 0
+            for param in self.parameters[begin:end]:
+                self.views.append(flat[offset : offset + param.numel()].view(param.shape))
+                offset += param.numel()
+        self.seeded_joins = -1  # the worker client's Join count when this host last seeded the aggregator
+
+    # -- the outer round --------------------------------------------------------------------------
+
+    def pseudo_gradient(self, key: int) -> torch.Tensor:
+        """Bucket ``key``'s global parameters minus the host's own, flat float32."""
+        begin, end = self.buckets[key]
+        local = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.parameters[begin:end]])
+        return self.flat[key] - local
+
+    def apply(self, key: int, mean: torch.Tensor) -> None:
+        """The outer step of bucket ``key`` by the mean received: the aggregator's arithmetic, in place."""
+        take_outer_step(self.flat[key].numpy(), self.momentum[key].numpy(), mean.float().cpu().numpy(), self.step)
+
+    @torch.no_grad()
+    def load_into_model(self) -> None:
+        """Every host starts the next inner steps from the global parameters."""
+        for param, view in zip(self.parameters, self.views, strict=True):
+            param.copy_(view)
+
+    # -- the aggregator's copy --------------------------------------------------------------------
+
+    def round_keys(self, session: GradqSession) -> list[tuple[int, int, int, int]]:
+        """(round key, bucket, begin, end) of every round an outer round travels as, ascending round keys."""
+        rounds = [
+            (round_key, key, begin, end)
+            for key, flat in enumerate(self.flat)
+            for round_key, begin, end in session.round_keys(key, flat.numel())
+        ]
+        return sorted(rounds)
+
+    def seed(self, session: GradqSession, step: int) -> None:
+        """Hand the aggregator this host's copy before outer round ``step``; adopt the job's if it differs.
+
+        Collective over the host's ranks: its first rank seeds, and the others
+        take what it holds then.
+
+        Raises:
+            AggregationError: the aggregator refused (the message says why).
+        """
+        client, host = session.client, session.host
+        assert client is not None
+        if host.local_rank == 0:
+            rounds = self.round_keys(session)
+            adopted = 0
+            for round_key, key, begin, end in rounds:
+                parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
+                matched, held_step, theirs, their_momentum = client.seed_outer(
+                    step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
+                )
+                if matched:
+                    continue
+                if held_step != step:  # a resumed host seeds its own round next; a joiner is sent the job's
+                    log.info("the aggregator holds outer round %d of key %d, this host %d", held_step, key, step)
+                    continue
+                parameters.copy_(torch.from_numpy(np.frombuffer(theirs, dtype="<f4").copy()))
+                momentum.copy_(torch.from_numpy(np.frombuffer(their_momentum, dtype="<f4").copy()))
+                adopted += 1
+            if adopted:
+                log.warning(
+                    "took the job's global state of %d round keys from the aggregator (this host's differed)", adopted
+                )
+        self._share_within_host(session)
+        self.seeded_joins = client.joins
+
+    def matches(self, session: GradqSession, step: int) -> bool:
+        """Whether the aggregator's copy before outer round ``step`` is this host's, bit for bit (adopts nothing).
+
+        Raises:
+            AggregationError: the aggregator refused (the message says why).
+        """
+        client = session.client
+        assert client is not None
+        rounds = self.round_keys(session)
+        for round_key, key, begin, end in rounds:
+            parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
+            matched, held_step, _, _ = client.seed_outer(
+                step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
+            )
+            if not matched or held_step != step:
+                return False
+        return True
+
+    def receive(self, session: GradqSession) -> int:
+        """A joiner takes the global state the aggregator sends at the next boundary; returns that outer round.
+
+        Collective over the host's ranks.
+
+        Raises:
+            AggregationError: refused, the transfer broke, or the state does not fit this model.
+        """
+        client, host = session.client, session.host
+        assert client is not None
+        received: list[Any] = [None]
+        if host.local_rank == 0:
+            try:
+                state = client.fetch_state()
+                received[0] = (state.step, state.data)
+            except AggregationError as error:
+                received[0] = (-1, f"{error.address}: {error.details}")
+                if host.local_size == 1:
+                    raise
+        if host.local_size > 1:
+            dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
+            client.catch_up = False
+        step, data = received[0]
+        if step < 0:
+            raise AggregationError(client.addresses[0], None, f"the host's first rank got no global state: {data}")
+        rounds = self.round_keys(session)
+        expected = 8 * sum(end - begin for _, _, begin, end in rounds)
+        if len(data) != expected:
+            raise AggregationError(
+                client.addresses[0],
+                None,
+                f"the aggregator sent {len(data)} bytes of global state; this model's is {expected} "
+                f"(parameters and momentum, float32)",
+            )
+        values = np.frombuffer(data, dtype="<f4")
+        offset = 0
+        for target in (self.flat, self.momentum):
+            for _, key, begin, end in rounds:
+                target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
+                offset += end - begin
+        self.load_into_model()
+        self.seeded_joins = client.joins
+        return int(step)
+
+    def _share_within_host(self, session: GradqSession) -> None:
+        if session.host.local_size > 1:
+            source = dist.get_global_rank(session.group, 0)
+            for tensor in (*self.flat, *self.momentum):
+                dist.broadcast(tensor, src=source, group=session.group)
+        self.load_into_model()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_parameters": [view.clone() for view in self.views],
+            "outer_momentum": [m.clone() for m in self.momentum],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, momentum = state["global_parameters"], state["outer_momentum"]
+        if [tuple(t.shape) for t in saved] != [tuple(v.shape) for v in self.views] or len(momentum) != len(
+            self.momentum
+        ):
+            raise ValueError(
+                f"state['global_parameters'] holds {len(saved)} tensors and {len(momentum)} momentum buckets; "
+                f"expected {len(self.views)} shaped like the model's and {len(self.momentum)} buckets"
+            )
+        for view, value in zip(self.views, saved, strict=True):
+            view.copy_(value)
+        for mine, value in zip(self.momentum, momentum, strict=True):
+            mine.copy_(value)
