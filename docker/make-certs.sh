@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes a throwaway CA, an aggregator certificate (names: aggregator,
-# aggregator-2, localhost) and a bearer token in docker/certs/ for
+# localhost) and a bearer token in docker/certs/ for
 # compose.tls.yaml. Idempotent: keeps what is there. Not for production keys.
 set -euo pipefail
 out="$(dirname "$0")/certs"
@@ -13,7 +13,7 @@ fi
 if [ ! -s server.pem ]; then
     openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/CN=aggregator" \
         -keyout server.key -out server.csr 2>/dev/null
-    printf 'subjectAltName=DNS:aggregator,DNS:aggregator-2,DNS:localhost,IP:127.0.0.1\n' > server.ext
+    printf 'subjectAltName=DNS:aggregator,DNS:localhost,IP:127.0.0.1\n' > server.ext
     openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
         -extfile server.ext -out server.pem 2>/dev/null
     rm -f server.csr server.ext

@@ -31,6 +31,7 @@ from gradq.server.policy import RoundPolicy
 from gradq.server.reports import RoundObservers
 from gradq.server.rounds import RoundTable
 from gradq.server.servicer import SERVICE_NAME, AggregatorServicer, add_aggregator_to_server, package_result
+from gradq.server.shard_group import shards_handler
 from gradq.server.status import RecentErrors, StatusSnapshot, take_snapshot
 from gradq.server.status_page import MetricsHttpServer
 from gradq.server.waiting import WaitingCalls
@@ -143,6 +144,9 @@ class ServerOptions:
             rank of each has left); 0 serves until stopped.
         keepalive_timeout_s: how long a connection may leave the ping (sent every
             KEEPALIVE_S) unanswered before its calls end and its rank is lost.
+        shard_group: host:port of every shard of this one's group, in shard
+            order, answered to the Shards RPC so a worker given one address
+            learns the others (see gradq.server.shard_group); () is a shard alone.
     """
 
     address: str = "0.0.0.0:50051"
@@ -154,6 +158,7 @@ class ServerOptions:
     metrics_port: int | None = None
     exit_after_jobs: int = 0
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
+    shard_group: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.keepalive_timeout_s <= 3600:
@@ -231,6 +236,7 @@ class AggregatorServer:
             maximum_concurrent_rpcs=self.limits.max_waiting_calls + self.limits.max_watches + _RESERVED_CALLS,
         )
         add_aggregator_to_server(self.servicer, server)
+        server.add_generic_rpc_handlers((shards_handler(self.options.shard_group),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -291,6 +297,9 @@ class AggregatorServer:
             self.policy.world_size or "per job",
             self.policy.round_timeout_s,
         )
+        if self.options.shard_group:
+            group = self.options.shard_group
+            log.info("one of a group of %d shards, reported to workers: %s", len(group), ",".join(group))
         self._warn_about_exposure()
 
     def status_snapshot(self) -> StatusSnapshot:

@@ -1,4 +1,4 @@
-"""`gradq serve`: run one aggregator (one shard) until SIGTERM."""
+"""`gradq serve`: run one aggregator (one shard) until SIGTERM, or with --shards N, N of them supervised."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from gradq.server.auth import TokenTable
 from gradq.server.env import SERVE_ENVIRONMENT, flag_type, read_variable
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
+from gradq.server.shard_plan import plan_shards
+from gradq.server.supervisor import ShardSupervisor
 
 __all__ = ["main", "build_parser"]
 
@@ -63,6 +65,10 @@ _OPTIONS: list[tuple[str, str, Any]] = [
     ("--tls-key", "GRADQ_TLS_KEY", None),
     ("--tls-client-ca", "GRADQ_TLS_CLIENT_CA", None),
     ("--token-file", "GRADQ_TOKEN_TABLE", None),
+    ("--shards", "GRADQ_SHARDS", None),
+    ("--shard-ports", "GRADQ_SHARD_PORTS", None),
+    ("--advertise-host", "GRADQ_ADVERTISE_HOST", None),
+    ("--shard-group", "GRADQ_SHARD_GROUP", None),
 ]
 
 
@@ -96,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradq serve",
         description="Run a gradq aggregator: workers push quantized gradient buckets, it averages them and "
-        "sends the mean back. Run one process per shard. Every flag can also be set by the environment "
-        "variable shown.",
+        "sends the mean back. One process is one shard; --shards N runs N, supervised. Every flag can also be set "
+        "by the environment variable shown.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for flag, env, default in _OPTIONS:
@@ -127,6 +133,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.basicConfig(level=level, handlers=[handler])
     try:
+        plan = plan_shards(
+            args.shards,
+            args.shard_ports,
+            args.port,
+            args.metrics_port,
+            args.host,
+            args.advertise_host,
+            args.shard_group,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    if plan is not None:
+        supervisor = ShardSupervisor(plan, sys.argv[1:] if argv is None else list(argv), args.port_file, args.grace)
+        supervisor.stop_on_signals()
+        return supervisor.run()
+    port = args.shard_ports[0] if args.shard_ports else args.port
+    try:
         policy = RoundPolicy(
             world_size=args.world_size,
             round_timeout_s=args.round_timeout,
@@ -139,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             non_finite=args.non_finite,
         )
         options = ServerOptions(
-            f"{args.host}:{args.port}",
+            f"{args.host}:{port}",
             args.max_message_bytes,
             args.max_workers,
             args.grace,
@@ -148,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             exit_after_jobs=args.exit_after_jobs,
             keepalive_timeout_s=args.keepalive_timeout,
+            shard_group=args.shard_group or (),
         )
         limits = ServiceLimits(
             max_steps_ahead=args.max_steps_ahead,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gradq.qcore import Scheme
+from gradq.server.shard_group import parse_shard_group
 
 __all__ = [
     "HEALTHCHECK_ENVIRONMENT",
@@ -31,6 +32,7 @@ __all__ = [
     "parse_auto_flag",
     "parse_flag",
     "parse_port",
+    "parse_ports",
     "read_variable",
 ]
 
@@ -91,6 +93,15 @@ SERVE_ENVIRONMENT = {
     "GRADQ_TLS_CERT": "PEM certificate chain: serve TLS (with --tls-key)",
     "GRADQ_TLS_KEY": "PEM private key of --tls-cert",
     "GRADQ_TLS_CLIENT_CA": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    "GRADQ_SHARDS": "run this many shard processes, each a whole aggregator, on consecutive ports from --port (or "
+    "--shard-ports), with consecutive metrics ports from --metrics-port when it is set; this process restarts a shard "
+    "that dies on its port and stops them all on SIGTERM (default 1: serve here; or one per --shard-ports)",
+    "GRADQ_SHARD_PORTS": "with --shards: each shard's port, comma-separated, instead of consecutive ones from --port",
+    "GRADQ_ADVERTISE_HOST": "with --shards: the host workers reach the shards at, reported to them with the ports "
+    "(e.g. a container's service name; unset: the host each worker dialed)",
+    "GRADQ_SHARD_GROUP": "the ordered host:port of every shard of this one's group, comma-separated, reported to a "
+    "worker given one shard's address so it learns the others (--shards sets it for its shards; an empty host "
+    "stands for the host the worker dialed)",
     "GRADQ_TOKEN_TABLE": "require 'authorization: Bearer <token>'; one token per line: 'TOKEN job=JOB [rank=RANK]' "
     "scopes it to a job (JOB ending in '*': a job-id prefix) and a rank; 'TOKEN' or 'TOKEN RANK' leaves it any job",
 }
@@ -135,6 +146,18 @@ def parse_port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise ValueError(expected)
     return port
+
+
+def parse_ports(text: str) -> tuple[int, ...]:
+    """Comma-separated TCP ports, 1..65535 each (a restarted shard must come back on the same one, so no 0)."""
+    expected = "expected ports in 1..65535, comma-separated (e.g. 50051,50061)"
+    try:
+        ports = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(expected) from None
+    if not all(1 <= port <= 65535 for port in ports):
+        raise ValueError(expected)
+    return ports
 
 
 def _parse_integer(text: str) -> int:
@@ -191,9 +214,10 @@ _INTEGERS = (
     "GRADQ_MAX_WORKERS",
     "GRADQ_MAX_BUCKET_ELEMENTS",
     "GRADQ_EXIT_AFTER_JOBS",
+    "GRADQ_SHARDS",
 )
 _NUMBERS = ("GRADQ_ROUND_TIMEOUT", "GRADQ_JOB_IDLE_TIMEOUT", "GRADQ_GRACE", "GRADQ_KEEPALIVE_TIMEOUT")
-_TEXTS = ("GRADQ_BIND_HOST", "GRADQ_NON_FINITE", "GRADQ_LOG_LEVEL", "GRADQ_LOG_FORMAT")
+_TEXTS = ("GRADQ_BIND_HOST", "GRADQ_NON_FINITE", "GRADQ_LOG_LEVEL", "GRADQ_LOG_FORMAT", "GRADQ_ADVERTISE_HOST")
 _PATHS = (
     "GRADQ_PORT_FILE",
     "GRADQ_TLS_CERT",
@@ -213,6 +237,8 @@ SERVER_PARSERS: dict[str, Callable[[str], Any]] = {
     "GRADQ_METRICS_PORT": parse_port,
     "GRADQ_RETURN_SCHEME": _parse_return_scheme,
     "GRADQ_SERVER_ERROR_FEEDBACK": parse_auto_flag,
+    "GRADQ_SHARD_PORTS": parse_ports,
+    "GRADQ_SHARD_GROUP": parse_shard_group,
 }
 
 

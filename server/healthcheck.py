@@ -2,7 +2,9 @@
 
 For container health probes: asks the standard gRPC health service (no token
 needed). Inside the aggregator's container it needs no arguments: it reads the
-same environment as `gradq serve`, GRADQ_PORT for the port and, when
+same environment as `gradq serve`, GRADQ_PORT for the port (under GRADQ_SHARDS
+every shard's: GRADQ_SHARD_PORTS, else consecutive ports from GRADQ_PORT; all
+must serve) and, when
 GRADQ_TLS_CERT says the aggregator serves TLS, GRADQ_TLS_CA for the CA that
 signed that certificate (GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY for a
 client certificate under mutual TLS).
@@ -89,14 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         port, serves_tls = read_variable(None, "GRADQ_PORT"), read_variable(None, "GRADQ_TLS_CERT")
+        shards, shard_ports = read_variable(None, "GRADQ_SHARDS"), read_variable(None, "GRADQ_SHARD_PORTS")
         files = {name: read_variable(None, name) for name in HEALTHCHECK_ENVIRONMENT}
     except ValueError as error:
         parser.error(str(error))
+    first = 50051 if port is None else port
+    ports = shard_ports or range(first, first + (shards or 1))
     parser.add_argument(
         "address",
         nargs="?",
-        default=f"localhost:{50051 if port is None else port}",
-        help="host:port of the aggregator (default localhost:$GRADQ_PORT, else localhost:50051)",
+        help="host:port of the aggregator (default localhost:$GRADQ_PORT, else localhost:50051; under GRADQ_SHARDS "
+        "every shard's port)",
     )
     for flag, env in (("--ca", "GRADQ_TLS_CA"), ("--cert", "GRADQ_TLS_CLIENT_CERT"), ("--key", "GRADQ_TLS_CLIENT_KEY")):
         parser.add_argument(
@@ -112,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         ca, cert, key = (path.read_bytes() if path else None for path in (args.ca, args.cert, args.key))
     except OSError as error:
         parser.error(str(error))
-    status = _health(args.address, _TIMEOUT_S, ca, cert, key)
-    serving = status == health_pb2.HealthCheckResponse.SERVING
-    verdict = "SERVING" if serving else "not serving"
-    why = "" if status is not None else f"; {_why_no_answer(args.address, ca is not None)}"
-    print(f"{args.address}: {verdict}{' (TLS)' if ca else ''}{why}")
+    addresses = [args.address] if args.address else [f"localhost:{shard_port}" for shard_port in ports]
+    serving = True
+    for address in addresses:
+        status = _health(address, _TIMEOUT_S, ca, cert, key)
+        serving &= status == health_pb2.HealthCheckResponse.SERVING
+        verdict = "SERVING" if status == health_pb2.HealthCheckResponse.SERVING else "not serving"
+        why = "" if status is not None else f"; {_why_no_answer(address, ca is not None)}"
+        print(f"{address}: {verdict}{' (TLS)' if ca else ''}{why}")
     return 0 if serving else 1
 
 

@@ -190,13 +190,16 @@ def test_tls_and_shards_combined_both_serve_and_metrics_match_the_workers(compos
         results = worker_results(log)
         assert set(results) == {0, 1, 2}, log[-3000:]
 
-        for service in ("aggregator", "aggregator-2"):  # the documented health check, no arguments, under TLS
-            check = compose(env, files, "exec", "-T", service, "python", "-m", "gradq.server.healthcheck")
-            assert check.returncode == 0 and "SERVING (TLS)" in check.stdout, check.stdout + check.stderr
+        # The documented health check, no arguments, under TLS: both shards of the one service (GRADQ_SHARDS=2).
+        check = compose(env, files, "exec", "-T", "aggregator", "python", "-m", "gradq.server.healthcheck")
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert check.stdout.split("\n")[:2] == ["localhost:50051: SERVING (TLS)", "localhost:50052: SERVING (TLS)"]
 
         shards = [scrape(int(env[name])) for name in ("GRADQ_METRICS_HOST_PORT", "GRADQ_METRICS_HOST_PORT_2")]
         (steps,) = {steps for _, steps, _, _ in results.values()}
-        for shard in shards:  # each shard averaged its chunk of every step, from all three ranks
+        # The workers named one address (aggregator:50051) and learned the second shard from it: each shard
+        # averaged its chunk of every step, from all three ranks.
+        for shard in shards:
             assert shard.get("gradq_rounds_total:completed") == steps, shards
             assert shard["gradq_contributions_total"] == 3 * steps, shards
         assert sum(s["gradq_contributions_total"] for s in shards) == sum(r[2] for r in results.values())
@@ -212,9 +215,10 @@ def test_tls_and_shards_combined_both_serve_and_metrics_match_the_workers(compos
                 scraped = prometheus_sum(int(env["GRADQ_PROMETHEUS_HOST_PORT"]), "gradq_contributions_total")
         assert scraped == pushes
     finally:
-        aggregator_log = compose(env, files, "logs", "--no-color", "aggregator", "aggregator-2").stdout
+        aggregator_log = compose(env, files, "logs", "--no-color", "aggregator").stdout
         down(env)
-    assert "TLS, token auth" in aggregator_log, aggregator_log[-3000:]
+    assert aggregator_log.count("TLS, token auth") == 2, aggregator_log[-3000:]  # one line per shard
+    assert "all 2 shards serving on ports 50051,50052" in aggregator_log, aggregator_log[-3000:]
 
 
 def test_scale_without_gradq_workers_fails_at_once_on_every_worker(compose_env: dict[str, str]) -> None:
