@@ -16,6 +16,8 @@ CASES = [
     ("gradq.server", ("torch", "gradq.client")),
     ("gradq.server.process", ("torch", "gradq.client")),
     ("gradq.server.app", ("torch", "gradq.client")),
+    # Ray places shards from the driver, and is imported only then
+    ("gradq.server.ray_shards", ("torch", "gradq.client", "ray")),
     ("gradq.client", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.worker", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
     ("gradq.client.sending", ("torch", "gradq.server", "gradq.client.ddp", "gradq.client.apps")),
