@@ -40,13 +40,15 @@ def join_request(
     max_members: int = 0,
     model_signature: str = "",
     outer_step: OuterStep | None = None,
+    semi_sync: tuple[int, float] | None = None,
 ) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
 
     ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member;
     ``max_members`` 0 puts no cap of its own on an elastic job's members;
     ``model_signature`` "" leaves the host's model unchecked; ``outer_step`` has
-    the aggregator keep a DiLoCo job's global state (None: it only averages).
+    the aggregator keep a DiLoCo job's global state (None: it only averages);
+    ``semi_sync`` (quorum, grace seconds) makes its rounds semi-synchronous.
     """
     outer = None
     if outer_step is not None:
@@ -62,6 +64,7 @@ def join_request(
         max_members=max_members,
         model_signature=model_signature,
         outer_step=outer,
+        semi_sync=pb.SemiSync(quorum=semi_sync[0], grace_s=semi_sync[1]) if semi_sync is not None else None,
     )
 
 

@@ -101,6 +101,8 @@ class WorkerClient:
             (gradq.client.session.elastic.model_signature); "" leaves it unchecked.
         outer_step: elastic: DiLoCo's outer step, which the aggregator then runs on
             the job's global state (see ``seed_outer``); None: it only averages.
+        semi_sync: elastic, with ``outer_step``: (quorum, grace seconds): a round
+            closes once that many members have pushed and the grace has passed.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class WorkerClient:
         max_members: int = 0,
         model_signature: str = "",
         outer_step: OuterStep | None = None,
+        semi_sync: tuple[int, float] | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -168,6 +171,7 @@ class WorkerClient:
         self.max_members = max_members
         self.model_signature = model_signature
         self.outer_step = outer_step
+        self.semi_sync = semi_sync
         self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
@@ -262,6 +266,7 @@ class WorkerClient:
             self.max_members,
             self.model_signature,
             self.outer_step,
+            self.semi_sync,
         )
         timeout = self.timeout_s if patience is None else patience
         try:

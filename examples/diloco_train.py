@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="this host writes <report>/host<seed>.json and .pt")
     parser.add_argument("--init-seed", type=int, default=0, help="the seed of this host's initial weights")
     parser.add_argument("--outer-step", choices=OUTER_STEP_PLACES, default="aggregator", help="where it runs")
+    parser.add_argument("--quorum", type=int, default=0, help="semi-synchronous: hosts a round needs (0: all)")
+    parser.add_argument("--grace", type=float, default=1.0, help="semi-synchronous: the grace window, seconds")
     args = parser.parse_args()
     torch.set_num_threads(1)  # hosts emulated on one machine share its cores
     if "RANK" not in os.environ:  # a single process: a process group of its own
@@ -68,7 +70,14 @@ def main() -> None:
     losses: list[float] = []
     digests: dict[int, str] = {}  # outer round -> digest of the global parameters after it
     config = GradqConfig.from_env(os.environ)
-    with DiLoCo(config, model, inner, sync_every=args.sync_every, outer_step=args.outer_step) as diloco:
+    stalls: list[float] = []  # seconds each outer round held this host (the inner step that ran it, less its own)
+    schedule = {
+        "sync_every": args.sync_every,
+        "outer_step": args.outer_step,
+        "quorum": args.quorum,
+        "grace_s": args.grace,
+    }
+    with DiLoCo(config, model, inner, **schedule) as diloco:
         if args.resume:
             saved = torch.load(args.checkpoint, weights_only=True)
             model.load_state_dict(saved["model"])
@@ -82,7 +91,10 @@ def main() -> None:
             inputs, targets = windows(train, np.random.default_rng([args.data_seed, step]), BATCH)
             loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
             loss.backward()
+            started = time.perf_counter()
             inner.step()  # every sync_every steps, DiLoCo's outer round runs here
+            if diloco.inner_steps % args.sync_every == 0:
+                stalls.append(time.perf_counter() - started)
             inner.zero_grad()
             losses.append(loss.item())
             time.sleep(args.step_delay)
@@ -105,6 +117,8 @@ def main() -> None:
                 "held_out_loss": held_out_loss,
                 "joined_at_round": joined_at,
                 "rejoins": diloco.rejoins,
+                "late_rounds": diloco.late_rounds,
+                "stalls": stalls,
                 "outer_round": diloco.outer_round,
                 "matches_aggregator": diloco.matches_aggregator(),
                 "digests": digests,

@@ -28,6 +28,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.membership import ANY_RANK, Membership
 from gradq.server.outer_state import OuterState
 from gradq.server.round_state import Round
+from gradq.server.semi_sync import LateStash, SemiSync
 
 __all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
 
@@ -75,6 +76,8 @@ class Job:
     retired: bool = False  # forgotten by the table; its pushes in flight must not open rounds
     # DiLoCo: the outer step and global state the aggregator keeps (JoinRequest.outer_step); None: it only averages.
     outer: OuterState | None = None
+    semi_sync: SemiSync | None = None  # JoinRequest.semi_sync; None: every round waits for every member
+    late: dict[int, LateStash] = field(default_factory=dict)  # round key -> late pushes to merge into its next round
 
     @property
     def world_size(self) -> int:
@@ -129,6 +132,7 @@ class JobTable:
         max_members: int = 0,
         model_signature: str = "",
         outer_step: OuterStep | None = None,
+        semi_sync: SemiSync | None = None,
     ) -> tuple[Job, list[Retired], int]:
         """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
 
@@ -145,7 +149,8 @@ class JobTable:
         ``model_signature`` is an elastic host's model, one line per tensor: the
         run's first fixes it, a later one that differs is refused. ``outer_step``
         (elastic only) has the aggregator keep the job's DiLoCo global state
-        (gradq.server.outer_state); the run's first Join fixes it too.
+        (gradq.server.outer_state); the run's first Join fixes it too, as it
+        does ``semi_sync`` (quorum and grace window, gradq.server.semi_sync).
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
@@ -177,6 +182,11 @@ class JobTable:
             raise InvalidArgumentError(
                 f"outer_step ({outer_step.describe()}) is only valid in an elastic Join: DiLoCo's hosts are the "
                 "members of an elastic job"
+            )
+        if semi_sync is not None and outer_step is None:
+            raise InvalidArgumentError(
+                f"semi_sync ({semi_sync.describe()}) needs outer_step: a late host takes the job's state from "
+                f"the aggregator's copy of it"
             )
         if not 1 <= ranks <= self.limits.max_world_size:
             raise InvalidArgumentError(
@@ -224,7 +234,7 @@ class JobTable:
                 job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
             job.members.check_join(world_size, job_ranks, ranks, job.describe, max_members)
             job.members.check_model(model_signature, job.describe)
-            _check_outer_step(job, outer_step)
+            _check_outer_step(job, outer_step, semi_sync)
             rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
             job.last_active = now
             joined = len(job.members.joined)
@@ -242,11 +252,14 @@ class JobTable:
         )
         return job, retired, rank
 
-    def member(self, job_id: str, rank: int, incarnation: str, now: float, pending_ok: bool = False) -> Job:
+    def member(
+        self, job_id: str, rank: int, incarnation: str, now: float, pending_ok: bool = False, late_step: int = -1
+    ) -> Job:
         """The current run of ``job_id``, which ``rank`` has joined under ``incarnation``. Caller holds ``lock``.
 
         Args:
             pending_ok: accept an elastic member still waiting for the state (it may watch and fetch, not push).
+            late_step: accept a pending member late for this step (semi-synchronous: its pushes are merged).
 
         Raises:
             FailedPreconditionError: unknown job, another incarnation, or a rank that has not joined.
@@ -260,7 +273,8 @@ class JobTable:
                 f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)"
             )
         members = job.members
-        if members.is_pending(rank) and not pending_ok:
+        late = late_step >= 0 and members.late.get(rank) == late_step  # a late member's other pushes
+        if members.is_pending(rank) and not pending_ok and not late:
             raise FailedPreconditionError(
                 f"member {rank} of elastic {job.describe()} is pending: it trains from the step at which a "
                 f"live member sends it the state (FetchState), not before"
@@ -350,11 +364,22 @@ class JobTable:
             )
 
 
-def _check_outer_step(job: Job, outer_step: OuterStep | None) -> None:
-    """The run's first Join fixes the job's outer step; a later Join must name the same. Caller holds the lock."""
+def _check_outer_step(job: Job, outer_step: OuterStep | None, semi_sync: SemiSync | None) -> None:
+    """The run's first Join fixes the job's outer step and rounds; a later Join must name the same.
+
+    Caller holds the lock.
+    """
     if job.members.empty and job.outer is None:
         job.outer = OuterState(outer_step) if outer_step is not None else None
+        job.semi_sync = semi_sync
         return
+    if semi_sync != job.semi_sync:
+        mine = semi_sync.describe() if semi_sync is not None else "none (synchronous)"
+        theirs = job.semi_sync.describe() if job.semi_sync is not None else "none (synchronous)"
+        raise FailedPreconditionError(
+            f"semi_sync {mine} does not match {job.describe()}, whose rounds are {theirs}; every host of a job "
+            f"must say the same"
+        )
     held = job.outer.step if job.outer is not None else None
     if held != outer_step:
         mine = outer_step.describe() if outer_step is not None else "none (the aggregator only averages)"

@@ -70,6 +70,9 @@ class Membership:
     # (a first Join, or one after a Leave or a loss). A Watch vouches for the tenure it opened under, so
     # the end of a former holder's stream never hits the id's new holder.
     tenures: dict[int, int] = field(default_factory=dict)
+    # Semi-synchronous: member -> the step it was late for; pending until the next boundary, and its other
+    # pushes of that step are still merged (gradq.server.semi_sync).
+    late: dict[int, int] = field(default_factory=dict)
     _tenures_drawn: int = 0
 
     # -- who is a member ------------------------------------------------------------------
@@ -194,6 +197,20 @@ class Membership:
             raise FailedPreconditionError(f"member {joiner} of elastic {describe()} is not pending")
         self.joined.add(joiner)
         self.ranks[joiner] = self.pending.pop(joiner)
+        self.late.pop(joiner, None)
+
+    def make_late(self, member: int, step: int) -> bool:
+        """A member training pushed to a round of ``step`` closed without it: pending until it has the state.
+
+        Returns:
+            Whether it was training (the first late push of that step; the rounds need not wait for it now).
+        """
+        if member not in self.joined:
+            return False
+        self.joined.discard(member)
+        self.pending[member] = self.ranks.get(member, 1)
+        self.late[member] = step
+        return True
 
     def holds(self, rank: int, pending_ok: bool = False) -> bool:
         """Whether ``rank`` is a member training (or, with ``pending_ok``, one waiting for the state)."""

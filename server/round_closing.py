@@ -69,6 +69,15 @@ class RoundCloser:
     def finish(self, job: Job, rnd: Round, missing: tuple[int, ...] = (), reason: str = "") -> None:
         """Average, re-encode and release the waiters. Caller holds ``rnd.lock``."""
         mean = rnd.mean()
+        if job.late and not rnd.non_finite:
+            with self._jobs.lock:
+                stash = job.late.pop(rnd.bucket, None)
+            if stash is not None and stash.total.size == mean.size:
+                # Semi-synchronous: the late pushes of this key count as the members' they are.
+                rnd.ranks = stash.merge_into(mean, rnd.ranks)
+                log.info("%s merged the late pushes of members %s", rnd.describe(job.job_id), sorted(stash.members))
+            if stash is not None:
+                self._budget.adjust(stash.nbytes, 0, job.memory)
         if rnd.non_finite:
             log.warning("%s skipped: ranks %s reported NaN/Inf", rnd.describe(job.job_id), sorted(rnd.non_finite))
         config = return_config_for(self.policy, rnd.pushed)
@@ -109,7 +118,8 @@ class RoundCloser:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         with self._jobs.lock:  # an elastic job's members change under it
             missing = job.members.missing(rnd.contributors)
-            quorum_met = job.members.quorum_met(rnd.contributors, self.policy.partial_quorum)
+            quorum = job.semi_sync.quorum if job.semi_sync is not None else self.policy.partial_quorum
+            quorum_met = job.members.quorum_met(rnd.contributors, quorum)
             forming = job.members.elastic and not job.members.formed
             joined = len(job.members.joined)
         if quorum_met:

@@ -88,6 +88,8 @@ class Round:
         "digests",
         "done",
         "error",
+        "graced",
+        "late",
         "lock",
         "non_finite",
         "opened_at",
@@ -130,6 +132,10 @@ class Round:
         self.charged = 0  # bytes this round holds against the memory budget
         self.result: RoundResult | None = None
         self.error: RoundError | None = None
+        # Semi-synchronous (gradq.server.semi_sync): its quorum has pushed, so its deadline is the grace
+        # window's end; the members whose pushes came after it closed, merged into the key's next round.
+        self.graced = False
+        self.late: set[int] = set()
 
     @property
     def failure_bytes(self) -> int:

@@ -35,6 +35,7 @@ from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult, Waker
+from gradq.server.semi_sync import LateStash, SemiSync
 from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
@@ -121,6 +122,7 @@ class RoundTable:
         max_members: int = 0,
         model_signature: str = "",
         outer_step: OuterStep | None = None,
+        semi_sync: SemiSync | None = None,
     ) -> JoinAnswer:
         """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
 
@@ -128,7 +130,8 @@ class RoundTable:
         the job's ranks in all (0: ``world_size``): --world-size counts those.
         ``max_members`` caps an elastic job's members (0: no cap of its own);
         ``model_signature`` is an elastic host's model, ``outer_step`` a DiLoCo
-        job's outer step on the aggregator (see ``JobTable.join``).
+        job's outer step on the aggregator, ``semi_sync`` its quorum and grace
+        window (see ``JobTable.join``).
 
         Returns:
             The job's world size, the members joined, which member and run were joined.
@@ -150,6 +153,7 @@ class RoundTable:
             max_members,
             model_signature,
             outer_step,
+            semi_sync,
         )
         self._retire(retired)
         with self.jobs.lock:
@@ -238,6 +242,9 @@ class RoundTable:
             if gone.job.outer is not None:
                 held += gone.job.outer.forget()
             with self.jobs.lock:
+                held += sum(stash.nbytes for stash in gone.job.late.values())
+                gone.job.late.clear()
+            with self.jobs.lock:
                 held += GRID_ENTRY_BYTES * len(gone.job.grids)
                 gone.job.grids.clear()
             self.budget.adjust(held, 0, gone.job.memory)
@@ -267,7 +274,7 @@ class RoundTable:
                 f"{self.policy.max_bucket_elements} elements (--max-bucket-elements)"
             )
         with self.jobs.lock:
-            job = self.jobs.member(job_id, rank, incarnation, self._clock())
+            job = self.jobs.member(job_id, rank, incarnation, self._clock(), late_step=step)
             check_grid(job, bucket, tensor, self.budget)
             rnd = job.rounds.get((step, bucket))
             if rnd is not None and self._superseded_failure(job, rnd):
@@ -304,6 +311,8 @@ class RoundTable:
         """
         job, rnd, rank = ticket.job, ticket.round, ticket.rank
         digest = contribution_digest(tensor, non_finite)
+        if job.semi_sync is not None and self._merge_late(job, rnd, rank, tensor, non_finite):
+            return
         with rnd.lock:
             if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
                 raise FailedPreconditionError(
@@ -329,6 +338,52 @@ class RoundTable:
                 rnd.received_bytes += tensor.nbytes
                 if self._completes(job, rnd.contributors):
                     self._closer.finish(job, rnd)
+                elif job.semi_sync is not None:
+                    self._start_grace(job, rnd)
+
+    def _start_grace(self, job: Job, rnd: Round) -> None:
+        """Semi-synchronous: once a quorum has pushed, the round waits ``grace_s`` more. Holds ``rnd.lock``."""
+        semi_sync = job.semi_sync
+        assert semi_sync is not None
+        if not rnd.graced and len(rnd.contributors) >= semi_sync.quorum:
+            rnd.graced = True
+            rnd.deadline = min(rnd.deadline, self._clock() + semi_sync.grace_s)  # the sweeper closes it then
+
+    def _merge_late(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool) -> bool:
+        """Semi-synchronous: a push to a round closed without ``rank`` goes to the key's late stash.
+
+        The member becomes pending (the rounds after do not wait for it) until
+        the next outer-round boundary. Returns whether the push was late.
+        """
+        with rnd.lock:
+            result = rnd.result
+            if not rnd.done.is_set() or result is None or rank in result.contributors:
+                return False
+            rnd.late.add(rank)  # answered: merged, fetch the state
+        if non_finite:
+            return True  # nothing to merge; the host still takes the state
+        with self.jobs.lock:
+            ranks = job.members.ranks.get(rank, 1)
+            stash = job.late.get(rnd.bucket)
+            if stash is None:
+                self.budget.charge(
+                    4 * tensor.numel, f"the late pushes of key {rnd.bucket} of {job.describe()}", job.memory
+                )
+                job.late[rnd.bucket] = LateStash.first(tensor, ranks, rank)
+            else:
+                stash.add(tensor, ranks, rank)
+            newly_late = job.members.make_late(rank, rnd.step)
+        if newly_late:
+            log.warning(
+                "member %d of %s was late for %s: its push is merged into the next round; pending until the "
+                "next outer-round boundary",
+                rank,
+                job.describe(),
+                rnd.describe(job.job_id),
+            )
+            self.membership_changed(job, "late")
+            self.finish_rounds_complete(job, f"member {rank} was late")
+        return True
 
     def _completes(self, job: Job, contributors: set[int]) -> bool:
         """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
@@ -437,6 +492,10 @@ class RoundTable:
         """Close a round whose deadline has passed (by a waiter or the sweeper)."""
         with rnd.lock:
             if not rnd.done.is_set() and self._clock() >= rnd.deadline:
+                if rnd.graced and job.semi_sync is not None:
+                    reason = f"grace window of {job.semi_sync.grace_s:g} s after a quorum of {job.semi_sync.quorum}"
+                    self._closer.close_early(job, rnd, f"{reason} passed", "grace")
+                    return
                 self._closer.close_early(job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed", "deadline")
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -482,6 +541,11 @@ def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
     if rnd.error is not None:
         raise type(rnd.error)(str(rnd.error))
     assert rnd.result is not None
+    if rank in rnd.late:
+        raise FailedPreconditionError(
+            f"member {rank} was late for {rnd.describe(job_id)}, which closed on its quorum without it: its push "
+            f"is merged into the next round, and it is pending until the next outer-round boundary (FetchState)"
+        )
     if rank not in rnd.result.contributors:
         raise FailedPreconditionError(
             f"{rnd.describe(job_id)} closed at its deadline over ranks {list(rnd.result.contributors)} "

@@ -17,6 +17,7 @@ from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
 from gradq.server.errors import InvalidArgumentError
 from gradq.server.rounds import RoundResult
+from gradq.server.semi_sync import SemiSync
 
 M = TypeVar("M", bound=Message)
 
@@ -183,6 +184,20 @@ def outer_step_of(request: pb.JoinRequest) -> OuterStep | None:
         return OuterStep(given.lr, given.momentum, given.nesterov)
     except ValueError as error:
         raise InvalidArgumentError(f"outer_step.{error}") from None
+
+
+def semi_sync_of(request: pb.JoinRequest) -> SemiSync | None:
+    """A Join's quorum and grace window (semi-synchronous rounds), or None for synchronous ones.
+
+    Raises:
+        InvalidArgumentError: naming the field, its value and what was expected.
+    """
+    if not request.HasField("semi_sync"):
+        return None
+    try:
+        return SemiSync(request.semi_sync.quorum, request.semi_sync.grace_s)
+    except ValueError as error:
+        raise InvalidArgumentError(f"semi_sync.{error}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,6 +136,7 @@ class AggregatorServicer:
         rank = scoped_rank(request.rank, ANY_RANK)
         await _call(context, check_scope, request.job_id, rank)
         outer_step = await _call(context, serde.outer_step_of, request)
+        semi_sync = await _call(context, serde.semi_sync_of, request)
         peer = peer_host(context.peer())
         answer = await _in_pool(
             context,
@@ -151,6 +152,7 @@ class AggregatorServicer:
             request.max_members,
             request.model_signature,
             outer_step,
+            semi_sync,
         )
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up

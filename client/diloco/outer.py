@@ -106,6 +106,13 @@ class DiLoCo:
             an outer optimizer over other parameters than the model's, an
             unknown ``outer_step``, or an outer optimizer or bit policy the
             aggregator does not run.
+        quorum: 0 for synchronous outer rounds (each waits for every host);
+            n >= 1 for semi-synchronous ones (outer_step="aggregator" only): a
+            round closes once n hosts have pushed and ``grace_s`` more seconds
+            have passed. A host late for a round has its pseudo-gradient merged
+            into the next round, then takes the global state at the next
+            boundary and trains on from it (``late_rounds`` counts these).
+        grace_s: the grace window of a semi-synchronous round, seconds.
     """
 
     def __init__(
@@ -118,6 +125,8 @@ class DiLoCo:
         process_group: dist.ProcessGroup | None = None,
         bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
         outer_step: str = "aggregator",
+        quorum: int = 0,
+        grace_s: float = 1.0,
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} is invalid; expected an integer >= 1 (inner steps per round)")
@@ -130,6 +139,14 @@ class DiLoCo:
             )
         if outer_step not in OUTER_STEP_PLACES:
             raise ValueError(f"outer_step={outer_step!r} is invalid; expected one of {list(OUTER_STEP_PLACES)}")
+        if isinstance(quorum, bool) or not isinstance(quorum, int) or quorum < 0:
+            raise ValueError(f"quorum={quorum!r} is invalid; expected 0 (synchronous) or the hosts a round needs")
+        if quorum and outer_step != "aggregator":
+            raise ValueError(
+                f"quorum={quorum} needs outer_step='aggregator': a late host takes the global state from its copy"
+            )
+        if not (isinstance(grace_s, int | float) and 0 <= grace_s <= 3600):
+            raise ValueError(f"grace_s={grace_s!r} is invalid; expected seconds in [0, 3600]")
         if outer_step == "aggregator" and config.bit_policy == "adaptive":
             raise ValueError(
                 "bit_policy='adaptive' plans new round keys every step; the aggregator's copy of the global "
@@ -154,6 +171,8 @@ class DiLoCo:
         self.inner_steps = 0  # inner steps taken, in all
         self.session: GradqSession | None = None
         self.rejoins = 0  # times this host was dropped and joined again
+        self.semi_sync = (quorum, float(grace_s)) if quorum else None
+        self.late_rounds = 0  # semi-synchronous: rounds this host was late for (merged, then it took the state)
         self._hook: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -185,6 +204,7 @@ class DiLoCo:
             self.process_group,
             model_signature=model_signature(self._shared()),
             outer_step=state.step if state is not None else None,
+            semi_sync=self.semi_sync,
         )
         if session.mode != "gradq":
             raise RuntimeError(
@@ -196,6 +216,11 @@ class DiLoCo:
     def _enter(self) -> None:
         """A joiner takes the global state (from the aggregator or a live host); a starting host seeds it."""
         session, state = self._connected(), self.on_aggregator
+        if self.semi_sync is not None and session.host.local_size > 1:
+            raise ValueError(
+                f"quorum={self.semi_sync[0]}: semi-synchronous rounds take hosts of one process each; this host "
+                f"has {session.host.local_size} ranks"
+            )
         if state is None:
             self.outer_round = receive_training_state(session, self._shared(), self.outer_round)
             return
@@ -276,8 +301,19 @@ class DiLoCo:
         for key, (begin, end) in enumerate(self.buckets):
             means.append(session.reduce(state.pseudo_gradient(key), step, key, parameters=self.parameters[begin:end]))
         session.end_step()
-        for key, future in enumerate(means):  # every bucket is in flight before the first wait
-            state.apply(key, future.wait())
+        received, late = [], []
+        for future in means:  # every bucket is in flight before the first wait
+            try:
+                received.append(future.wait())
+            except AggregationError as error:
+                if not _late(error):
+                    raise
+                late.append(error)
+        if late:
+            self._catch_up(state, late[0])
+            return
+        for key, mean in enumerate(received):
+            state.apply(key, mean)
         state.load_into_model()
         self.outer_round = step + 1
         assert session.client is not None
@@ -285,6 +321,18 @@ class DiLoCo:
             # The worker client joined again: a restarted aggregator, which holds no global state. Seed it.
             log.warning("the aggregator of %s was restarted; seeding it with this host's global state", session.job_id)
             state.seed(session, self.outer_round)
+
+    def _catch_up(self, state: GlobalState, error: AggregationError) -> None:
+        """Semi-synchronous: this host was late; its pushes were merged. Take the state at the next boundary."""
+        log.warning(
+            "late for outer round %d of %s (%s); taking the global state",
+            self.outer_round,
+            self.config.job_id,
+            error.details,
+        )
+        self.outer_round = state.receive(self._connected())
+        self.inner_steps = self.outer_round * self.sync_every
+        self.late_rounds += 1
 
     def _rejoin(self, error: AggregationError) -> None:
         """This host was dropped (it fell silent past the keepalive): join again as a joiner, take the state.
@@ -404,6 +452,12 @@ class _GlobalState:
             start.copy_(value)
         diloco.outer_optimizer.load_state_dict(state["outer_optimizer"])
         diloco.outer_round, diloco.inner_steps = int(state["outer_round"]), int(state["inner_steps"])
+
+
+def _late(error: AggregationError) -> bool:
+    """The aggregator closed a semi-synchronous round without this host and merged its push into the next."""
+    code = error.code.name if error.code is not None else ""
+    return code == "FAILED_PRECONDITION" and " was late for " in error.details
 
 
 def _dropped(error: AggregationError) -> bool:

@@ -105,6 +105,7 @@ class GradqSession:
         host: HostGroup | None = None,
         model_signature: str = "",
         outer_step: OuterStep | None = None,
+        semi_sync: tuple[int, float] | None = None,
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
@@ -119,7 +120,8 @@ class GradqSession:
         (gradq.client.session.elastic.model_signature): the aggregator refuses
         a host whose model differs from the job's, naming the first difference.
         ``outer_step`` (elastic) has the aggregator keep a DiLoCo job's global
-        state (gradq.client.diloco); None: it only averages.
+        state (gradq.client.diloco); None: it only averages. ``semi_sync``
+        (quorum, grace seconds) makes the job's rounds semi-synchronous.
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -156,6 +158,7 @@ class GradqSession:
                 max_members=config.elastic_max_hosts,
                 model_signature=model_signature,
                 outer_step=outer_step,
+                semi_sync=semi_sync,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,

@@ -47,7 +47,7 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class JoinRequest(_message.Message):
     MAX_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SEMI_SYNC_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -68,7 +69,16 @@ class JoinRequest(_message.Message):
     max_members: int
     model_signature: str
     outer_step: OuterStep
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ...) -> None: ...
+    semi_sync: SemiSync
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ...) -> None: ...
+
+class SemiSync(_message.Message):
+    __slots__ = ("quorum", "grace_s")
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    quorum: int
+    grace_s: float
+    def __init__(self, quorum: _Optional[int] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class OuterStep(_message.Message):
     __slots__ = ("lr", "momentum", "nesterov")

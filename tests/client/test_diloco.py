@@ -9,6 +9,7 @@ reports the digest of its global parameters after each round.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -267,3 +268,30 @@ def test_a_host_silent_past_the_keepalive_is_dropped_and_rejoins_by_itself(
     back = min(int(key) for key in hosts[2].figures["digests"] if int(key) > stopped_at + 1)
     later = {key: value for key, value in hosts[0].figures["digests"].items() if int(key) >= back}
     assert {key: value for key, value in hosts[2].figures["digests"].items() if int(key) >= back} == later
+
+
+def test_semi_sync_a_slow_host_stalls_the_others_no_longer_than_the_grace_window_and_is_merged(
+    aggregator: AggregatorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    grace, fast, slow = 0.2, 0.05, 0.17  # seconds slept per inner step: the slow host takes over 3x as long
+    semi = ("--quorum", "2", "--grace", str(grace))
+    with caplog.at_level(logging.INFO, logger="gradq.server.round_closing"):
+        processes = [
+            start(aggregator, "diloco-semi", 0, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)),
+            start(aggregator, "diloco-semi", 1, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)),
+            # It stops sooner: a host late for the job's last round would wait for a boundary that never comes.
+            start(aggregator, "diloco-semi", 2, tmp_path, *semi, "--rounds", "5", "--step-delay", str(slow)),
+        ]
+        hosts = finish(processes, tmp_path, range(3))
+
+    assert hosts[0].figures["outer_round"] == hosts[1].figures["outer_round"] == 8
+    assert hosts[0].figures["digests"] == hosts[1].figures["digests"]
+    # A synchronous round would hold the fast hosts about (slow - fast) x 10 = 1.2 s each time for the slow one.
+    stalls = hosts[0].figures["stalls"][1:] + hosts[1].figures["stalls"][1:]  # the first waits for the job to form
+    assert max(stalls) < grace + 0.6, stalls
+    slow_host = hosts[2].figures
+    assert slow_host["late_rounds"] >= 1
+    assert "merged the late pushes of members" in caplog.text  # its pseudo-gradients counted, not dropped
+    # After every catch-up the slow host holds the job's global parameters, bit for bit.
+    caught_up = {key: value for key, value in slow_host["digests"].items() if int(key) > 1}
+    assert caught_up and all(hosts[0].figures["digests"][key] == value for key, value in caught_up.items())

@@ -35,7 +35,7 @@ def values(seed: int, size: int = 1000) -> np.ndarray:
 # -- the state itself ------------------------------------------------------------------------------
 
 
-def test_the_state_moves_by_the_outer_step_and_is_whole_once_every_key_has():
+def test_the_state_moves_by_the_outer_step_and_is_whole_once_every_key_has() -> None:
     state = OuterState(STEP)
     assert state.seed(0, 2, 0, values(0), None, "job").matched
     assert state.seed(1, 2, 0, values(1, 10), None, "job").matched
@@ -50,7 +50,7 @@ def test_the_state_moves_by_the_outer_step_and_is_whole_once_every_key_has():
     np.testing.assert_array_equal(snapshot[1010:2010], momentum)  # ... then the momenta in the same order
 
 
-def test_a_seed_is_compared_with_the_copy_held_and_a_later_round_replaces_it():
+def test_a_seed_is_compared_with_the_copy_held_and_a_later_round_replaces_it() -> None:
     state = OuterState(STEP)
     state.seed(0, 1, 3, values(0), values(1), "job")
     assert state.seed(0, 1, 3, values(0), values(1), "job").matched
@@ -62,7 +62,7 @@ def test_a_seed_is_compared_with_the_copy_held_and_a_later_round_replaces_it():
     assert not state.seed(0, 1, 4, values(7), None, "job").matched  # an older round never replaces it
 
 
-def test_bad_seeds_are_refused_naming_the_field():
+def test_bad_seeds_are_refused_naming_the_field() -> None:
     state = OuterState(STEP)
     with pytest.raises(InvalidArgumentError, match=r"key=3 is out of range; expected 0..1 \(keys=2\)"):
         state.seed(3, 2, 0, values(0), None, "job 'j'")

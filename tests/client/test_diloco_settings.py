@@ -59,3 +59,17 @@ def test_outer_settings_and_optimizers_the_aggregator_does_not_run_are_refused()
             torch.optim.SGD([param]),
             outer_step="everywhere",
         )
+
+
+def test_semi_synchronous_rounds_need_the_outer_step_on_the_aggregator() -> None:
+    from gradq.client.config import GradqConfig
+    from gradq.client.diloco import DiLoCo
+
+    config, model = GradqConfig.of("127.0.0.1:1", job_id="j", elastic_hosts=2), torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters())
+    with pytest.raises(ValueError, match=re.escape("quorum=2 needs outer_step='aggregator'")):
+        DiLoCo(config, model, inner, outer_step="hosts", quorum=2)
+    with pytest.raises(ValueError, match=re.escape("quorum=-1 is invalid")):
+        DiLoCo(config, model, inner, quorum=-1)
+    with pytest.raises(ValueError, match=re.escape("grace_s=-0.5 is invalid; expected seconds in [0, 3600]")):
+        DiLoCo(config, model, inner, quorum=2, grace_s=-0.5)
