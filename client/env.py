@@ -57,7 +57,8 @@ CODECS = ("auto", "torch", "numpy")
 
 # Variable -> what it sets; `gradq worker --help` names the same settings.
 HOOK_ENVIRONMENT = {
-    "GRADQ_AGGREGATORS": "host:port of the aggregator shard(s), comma-separated (required)",
+    "GRADQ_AGGREGATORS": "host:port of the aggregator shard(s), comma-separated (required); one shard of a group "
+    "(gradq serve --shards N) names them all",
     "GRADQ_BITS": "bits per gradient element, 1..8",
     "GRADQ_SCHEME": "quantization scheme, e.g. per_channel_affine",
     "GRADQ_ERROR_FEEDBACK": "1/0: carry each bucket's quantization error into its next step",

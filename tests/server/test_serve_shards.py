@@ -219,3 +219,20 @@ def test_the_health_check_under_gradq_shards_checks_every_shard(shards: Shards) 
     assert half.returncode == 1
     assert half.stdout.splitlines()[0] == f"localhost:{first}: SERVING"
     assert half.stdout.splitlines()[1].startswith(f"localhost:{nobody}: not serving; nothing accepts connections")
+
+
+def test_a_shard_that_cannot_start_stops_the_others_and_the_parent_exits_with_its_status() -> None:
+    port = a_free_port_and_its_neighbour()
+    with socket.socket() as holder:  # the second shard's port is taken
+        holder.bind(("127.0.0.1", port + 1))
+        holder.listen()
+        completed = subprocess.run(
+            [sys.executable, "-m", "gradq.server", "--host", "127.0.0.1", "--shards", "2", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert completed.returncode == 2, completed.stderr
+    assert f"cannot listen on 127.0.0.1:{port + 1}: the port is in use" in completed.stderr
+    assert f"shard 1 (port {port + 1}) could not start (exit status 2); stopping the other shards" in completed.stderr
+    assert not listening(port)
