@@ -15,6 +15,7 @@ from concurrent import futures
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
@@ -181,3 +182,28 @@ def test_a_shard_alone_keeps_the_one_address(
     alone = start_aggregator()
     with WorkerClient(f"127.0.0.1:{alone.port}", "alone", 0, 1, timeout_s=5) as client:
         assert client.addresses == [f"127.0.0.1:{alone.port}"]
+
+
+def test_training_goes_on_through_a_shard_the_parent_restarted() -> None:
+    flags = ("--return-scheme", "fp32", "--round-timeout", "30", "--grace", "1")
+    process, ports = spawn_shards(2, *flags, stderr=subprocess.DEVNULL)
+    try:
+        values = np.linspace(-1.0, 1.0, ELEMENTS, dtype=np.float32)
+        with WorkerClient(
+            f"127.0.0.1:{ports[0]}", "through", 0, 1, QuantConfig(bits=8), chunk_elements=CHUNK
+        ) as client:
+            for step in range(2):
+                assert np.abs(client.push_pull(step, 0, values) - values).max() < 0.01
+            (victim,) = [
+                child
+                for child in psutil.Process(process.pid).children()
+                if child.cmdline()[child.cmdline().index("--shard-ports") + 1] == str(ports[1])
+            ]
+            victim.kill()  # SIGKILL: the parent restarts it on its port
+            victim.wait(timeout=10)
+            for step in range(2, 4):  # pushes to it retry and rejoin the restarted shard
+                assert np.abs(client.push_pull(step, 0, values) - values).max() < 0.01
+            assert client.addresses == [f"127.0.0.1:{port}" for port in ports]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
