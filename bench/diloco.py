@@ -15,7 +15,10 @@ the same per-host batches:
 - ``ddp``: DDP over all four hosts, gloo allreduce fp32 every step;
 - ``gradq4ef``: the same DDP with gradq's comm hook, 4-bit + EF, every step;
 - ``diloco10``, ``diloco50``: gradq's DiLoCo, H = 10 and 50 inner steps per
-  outer round (4-bit + EF pseudo-gradients, Nesterov SGD outer step).
+  outer round (4-bit + EF pseudo-gradients, Nesterov SGD outer step on the
+  aggregator, the default);
+- ``diloco10-hosts`` (not run unless named in ``--methods``): H = 10 with the
+  outer step on the hosts, the aggregator only averaging.
 
 DDP runs ``--steps`` steps; its final held-out loss is the target. The other
 rows run until they reach it, or ``--budget`` times the steps. Reported: ms per
@@ -60,6 +63,7 @@ METHODS = {
     "ddp": "DDP allreduce fp32",
     "gradq4ef": "gradq per-step 4-bit + EF",
     "diloco10": "gradq DiLoCo H=10, 4-bit + EF",
+    "diloco10-hosts": "gradq DiLoCo H=10, 4-bit + EF, outer step on the hosts",
     "diloco50": "gradq DiLoCo H=50, 4-bit + EF",
     "torchft-diloco10": "torchft DiLoCo H=10, fp32 (peer all-reduce)",
 }
@@ -107,7 +111,10 @@ def rank_main(spec: RankSpec) -> None:
     from gradq.qcore import QuantConfig
 
     quant = QuantConfig(bits=4)
-    every = int(spec.method.removeprefix("diloco")) if spec.method.startswith("diloco") else 0
+    # "diloco<H>" runs the outer step on the aggregator (the default), "diloco<H>-hosts" on the hosts.
+    schedule, _, place = spec.method.removeprefix("diloco").partition("-")
+    every = int(schedule) if spec.method.startswith("diloco") else 0
+    outer_step = place or "aggregator"
     if every:  # each host a process group of its own: only outer rounds leave it
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{RENDEZVOUS_PORT}", rank=0, world_size=1)
     else:
@@ -123,7 +130,11 @@ def rank_main(spec: RankSpec) -> None:
             ddp.register_comm_hook(hook_state, gradq_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.learning_rates["adamw"], weight_decay=0.01)
     config = GradqConfig.of([spec.aggregator], quant, error_feedback=True, job_id=spec.job_id, elastic_hosts=4)
-    outer = (lambda: DiLoCo(config, model, optimizer, sync_every=every)) if every else contextlib.nullcontext
+    outer = (
+        (lambda: DiLoCo(config, model, optimizer, sync_every=every, outer_step=outer_step))
+        if every
+        else contextlib.nullcontext
+    )
     _train(spec, task, trained, optimizer, every or spec.eval_every, outer)
     dist.destroy_process_group()
 

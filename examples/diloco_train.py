@@ -1,8 +1,9 @@
 """One host of a DiLoCo job through gradq: H local AdamW steps, then one outer round over the slow link.
 
 Start the aggregator once, then this script once per host (a single process
-here; under torchrun, one torchrun per host and its ranks train a DDP model
-inside it), every host with the same job id::
+here; under torchrun, one torchrun per host, whose ranks train a DDP model
+inside it, or with ``--inside fsdp`` an FSDP2 model sharded over them), every
+host with the same job id::
 
     gradq serve --host 127.0.0.1 --port 50051 &
     export GRADQ_AGGREGATORS=127.0.0.1:50051 GRADQ_JOB_ID=diloco GRADQ_ELASTIC_HOSTS=3 \\
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 from char_lm import BATCH, CharTransformer, text, windows
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco import OUTER_STEP_PLACES, DiLoCo
@@ -57,6 +60,7 @@ def main() -> None:
     parser.add_argument("--init-seed", type=int, default=0, help="the seed of this host's initial weights")
     parser.add_argument("--outer-step", choices=OUTER_STEP_PLACES, default="aggregator", help="where it runs")
     parser.add_argument("--quorum", type=int, default=0, help="semi-synchronous: hosts a round needs (0: all)")
+    parser.add_argument("--inside", choices=("ddp", "fsdp"), default="ddp", help="a torchrun host's ranks train")
     parser.add_argument("--grace", type=float, default=1.0, help="semi-synchronous: the grace window, seconds")
     args = parser.parse_args()
     torch.set_num_threads(1)  # hosts emulated on one machine share its cores
@@ -64,7 +68,14 @@ def main() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     torch.manual_seed(args.init_seed)  # with the outer step on the aggregator, every host takes the first's
-    model = CharTransformer(args.width, args.layers)
+    model: nn.Module = CharTransformer(args.width, args.layers)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    if ranks > 1 and args.inside == "fsdp":  # sharded over the host's ranks: each holds a shard of every block
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    elif ranks > 1:
+        model = DistributedDataParallel(model)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train, held_out = text()
     losses: list[float] = []
@@ -88,7 +99,7 @@ def main() -> None:
         joined_at = diloco.outer_round
         while diloco.inner_steps < args.rounds * args.sync_every:
             step = diloco.inner_steps
-            inputs, targets = windows(train, np.random.default_rng([args.data_seed, step]), BATCH)
+            inputs, targets = windows(train, np.random.default_rng([args.data_seed, rank, step]), BATCH)
             loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
             loss.backward()
             started = time.perf_counter()
@@ -109,6 +120,8 @@ def main() -> None:
         with torch.no_grad():
             inputs, targets = windows(held_out, np.random.default_rng(12345), 64)
             held_out_loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).item()
+        report = f"host{args.data_seed}" + (f"-rank{rank}" if ranks > 1 else "")
+        matches = diloco.matches_aggregator()  # collective over the host's ranks
         if args.report is not None:
             stats = diloco.stats()
             args.report.mkdir(parents=True, exist_ok=True)
@@ -120,13 +133,13 @@ def main() -> None:
                 "late_rounds": diloco.late_rounds,
                 "stalls": stalls,
                 "outer_round": diloco.outer_round,
-                "matches_aggregator": diloco.matches_aggregator(),
+                "matches_aggregator": matches,
                 "digests": digests,
                 "bytes_sent": stats.bytes_sent if stats is not None else 0,
                 "bytes_received": stats.bytes_received if stats is not None else 0,
             }
-            (args.report / f"host{args.data_seed}.json").write_text(json.dumps(figures))
-            torch.save(diloco.global_parameters, args.report / f"host{args.data_seed}.pt")
+            (args.report / f"{report}.json").write_text(json.dumps(figures))
+            torch.save(diloco.global_parameters, args.report / f"{report}.pt")
     print(f"host {args.data_seed}: round {diloco.outer_round}, held-out loss {held_out_loss:.4f}", flush=True)
     dist.destroy_process_group()
 

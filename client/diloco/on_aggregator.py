@@ -13,6 +13,10 @@ copies agree bit for bit. That is what lets
   momentum included, after the rejoin;
 - hosts that start from different weights agree: the first seed is the job's,
   and the others adopt it.
+
+On a host of FSDP2 ranks each rank keeps the global state of its own shards
+(the parameters' local tensors) and seeds, pushes and receives its own round
+keys; on a host of DDP ranks the ranks hold the same copy and the first seeds.
 """
 
 from __future__ import annotations
@@ -70,10 +74,18 @@ class GlobalState:
     """
 
     def __init__(self, parameters: Sequence[nn.Parameter], buckets: Sequence[tuple[int, int]], step: OuterStep):
-        self.parameters, self.buckets, self.step = list(parameters), list(buckets), step
+        # The tensors this rank holds: a DTensor's local shard (FSDP2), else the parameter itself.
+        self.parameters = [_local(param) for param in parameters]
+        self.buckets, self.step = list(buckets), step
         self.flat = [
             torch.cat([p.detach().reshape(-1).float().cpu() for p in self.parameters[b:e]]) for b, e in self.buckets
         ]
+        empty = [key for key, flat in enumerate(self.flat) if not flat.numel()]
+        if empty:
+            raise ValueError(
+                f"bucket {empty[0]} holds no elements on this rank (its parameters' shards are empty here); "
+                f"expected parameters of at least as many rows as the host has ranks, or fewer buckets"
+            )
         self.momentum = [torch.zeros_like(flat) for flat in self.flat]
         # The global parameters shaped like the model's: views of ``flat``.
         self.views: list[torch.Tensor] = []
@@ -104,14 +116,23 @@ class GlobalState:
 
     # -- the aggregator's copy --------------------------------------------------------------------
 
-    def round_keys(self, session: GradqSession) -> list[tuple[int, int, int, int]]:
-        """(round key, bucket, begin, end) of every round an outer round travels as, ascending round keys."""
-        rounds = [
-            (round_key, key, begin, end)
+    def round_keys(self, session: GradqSession) -> list[tuple[int, int, int, int, int]]:
+        """(round key, bucket, begin, end, owner) of every round of an outer round, ascending round keys.
+
+        ``owner`` is the host's local rank that holds the round's values: on a
+        host of shards every rank its own (gathered over the host's ranks, a
+        collective), else the host's first rank holds them all.
+        """
+        mine = [
+            (round_key, key, begin, end, session.host.local_rank if session.host.sharded else 0)
             for key, flat in enumerate(self.flat)
             for round_key, begin, end in session.round_keys(key, flat.numel())
         ]
-        return sorted(rounds)
+        if not session.host.sharded or session.host.local_size == 1:
+            return sorted(mine)
+        gathered: list[Any] = [None] * session.host.local_size
+        dist.all_gather_object(gathered, mine, group=session.group)
+        return sorted(entry for rounds in gathered for entry in rounds)
 
     def seed(self, session: GradqSession, step: int) -> None:
         """Hand the aggregator this host's copy before outer round ``step``; adopt the job's if it differs.
@@ -124,10 +145,12 @@ class GlobalState:
         """
         client, host = session.client, session.host
         assert client is not None
-        if host.local_rank == 0:
-            rounds = self.round_keys(session)
+        rounds = self.round_keys(session)
+        if host.sharded or host.local_rank == 0:
             adopted = 0
-            for round_key, key, begin, end in rounds:
+            for round_key, key, begin, end, owner in rounds:
+                if owner != host.local_rank:
+                    continue
                 parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
                 matched, held_step, theirs, their_momentum = client.seed_outer(
                     step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
@@ -156,7 +179,9 @@ class GlobalState:
         client = session.client
         assert client is not None
         rounds = self.round_keys(session)
-        for round_key, key, begin, end in rounds:
+        for round_key, key, begin, end, owner in rounds:
+            if owner != session.host.local_rank:
+                continue
             parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
             matched, held_step, _, _ = client.seed_outer(
                 step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
@@ -175,6 +200,7 @@ class GlobalState:
         """
         client, host = session.client, session.host
         assert client is not None
+        rounds = self.round_keys(session)
         received: list[Any] = [None]
         if host.local_rank == 0:
             try:
@@ -190,8 +216,7 @@ class GlobalState:
         step, data = received[0]
         if step < 0:
             raise AggregationError(client.addresses[0], None, f"the host's first rank got no global state: {data}")
-        rounds = self.round_keys(session)
-        expected = 8 * sum(end - begin for _, _, begin, end in rounds)
+        expected = 8 * sum(end - begin for _, _, begin, end, _ in rounds)
         if len(data) != expected:
             raise AggregationError(
                 client.addresses[0],
@@ -202,15 +227,16 @@ class GlobalState:
         values = np.frombuffer(data, dtype="<f4")
         offset = 0
         for target in (self.flat, self.momentum):
-            for _, key, begin, end in rounds:
-                target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
+            for _, key, begin, end, owner in rounds:
+                if owner == (host.local_rank if host.sharded else 0):
+                    target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
                 offset += end - begin
         self.load_into_model()
         self.seeded_joins = client.joins
         return int(step)
 
     def _share_within_host(self, session: GradqSession) -> None:
-        if session.host.local_size > 1:
+        if session.host.local_size > 1 and not session.host.sharded:  # a host of shards holds no common copy
             source = dist.get_global_rank(session.group, 0)
             for tensor in (*self.flat, *self.momentum):
                 dist.broadcast(tensor, src=source, group=session.group)
@@ -237,3 +263,9 @@ class GlobalState:
             view.copy_(value)
         for mine, value in zip(self.momentum, momentum, strict=True):
             mine.copy_(value)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``param``: a DTensor's local shard (it shares the parameter's memory)."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param

@@ -11,10 +11,12 @@ one compressed copy of the model each way per H steps instead of per step.
 How it runs here:
 
 - Each host is one member of an elastic gradq job (``elastic_hosts`` is the
-  number of hosts the job starts with): a single process, or a DDP group
-  inside the host (the inner steps use the host's own collectives; its ranks
-  reduce the pseudo-gradient together and push one copy, as two-level
-  aggregation does). Only outer rounds cross the slow link.
+  number of hosts the job starts with): a single process, a DDP group inside
+  the host (its ranks reduce the pseudo-gradient together and push one copy,
+  as two-level aggregation does), or an FSDP2 group inside the host (each
+  rank pushes the pseudo-gradient of its own shards, so the host pushes one
+  copy of the model between its ranks, none gathered). The inner steps use
+  the host's own collectives; only outer rounds cross the slow link.
 - Outer round r is step r of the job; the model's trainable parameters are
   laid end to end in buckets of at most ``bucket_elements``, bucket k is round
   key k. Pseudo-gradients are compressed with the session's grid and error
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
@@ -61,6 +64,7 @@ from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
 from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
+from gradq.client.session.host_groups import HostGroup
 from gradq.client.stats import ClientStats
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]
@@ -147,6 +151,12 @@ class DiLoCo:
             )
         if not (isinstance(grace_s, int | float) and 0 <= grace_s <= 3600):
             raise ValueError(f"grace_s={grace_s!r} is invalid; expected seconds in [0, 3600]")
+        self._sharded = isinstance(model, FSDPModule)  # FSDP2 inside the host: each rank holds its own shards
+        if self._sharded and outer_step != "aggregator":
+            raise ValueError(
+                "outer_step='hosts' with an FSDP2 model: its ranks hold shards, which a host-side torch optimizer "
+                "would step apart; use outer_step='aggregator' (the default)"
+            )
         if outer_step == "aggregator" and config.bit_policy == "adaptive":
             raise ValueError(
                 "bit_policy='adaptive' plans new round keys every step; the aggregator's copy of the global "
@@ -202,6 +212,7 @@ class DiLoCo:
         session = GradqSession.connect(
             self.config,
             self.process_group,
+            host=self._host_of_shards() if self._sharded else None,
             model_signature=model_signature(self._shared()),
             outer_step=state.step if state is not None else None,
             semi_sync=self.semi_sync,
@@ -212,6 +223,13 @@ class DiLoCo:
                 f"across the link; start the aggregator, or set fallback='error' to be told at once"
             )
         return session
+
+    def _host_of_shards(self) -> HostGroup:
+        """An FSDP2 host: its ranks are one member, each pushing its own shards whole (see HostGroup.sharded)."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialized"
+        size = dist.get_world_size(group)
+        return HostGroup(0, self.config.elastic_hosts, dist.get_rank(group), size, size, None, None, sharded=True)
 
     def _enter(self) -> None:
         """A joiner takes the global state (from the aggregator or a live host); a starting host seeds it."""
@@ -299,7 +317,8 @@ class DiLoCo:
         step = self.outer_round
         means = []
         for key, (begin, end) in enumerate(self.buckets):
-            means.append(session.reduce(state.pseudo_gradient(key), step, key, parameters=self.parameters[begin:end]))
+            # The tensors this rank holds (an FSDP2 rank's local shards): its error feedback follows them.
+            means.append(session.reduce(state.pseudo_gradient(key), step, key, parameters=state.parameters[begin:end]))
         session.end_step()
         received, late = [], []
         for future in means:  # every bucket is in flight before the first wait

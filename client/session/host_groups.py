@@ -82,6 +82,14 @@ class HostGroup:
     pieces: int  # P: the most ranks any host holds; every bucket is cut into this many pieces
     reduce_group: dist.ProcessGroup | None  # the host's ranks, summing buckets (None: alone on the host)
     gather_group: dist.ProcessGroup | None  # the same ranks, gathering mean pieces
+    # The host's ranks hold different shards of one replica (FSDP2 inside a DiLoCo host): each pushes its
+    # own tensors whole, under round key ``key * P + local_rank``, as the host's member; none sums with another.
+    sharded: bool = False
+
+    @property
+    def member_ranks(self) -> int:
+        """The job's ranks this host's member stands for: its ranks, or one replica when they hold shards."""
+        return 1 if self.sharded else self.local_size
 
     @property
     def flat(self) -> bool:
@@ -98,6 +106,11 @@ class HostGroup:
         """
         segments: list[Segment] = []
         grids: dict[int, QuantConfig] = {}
+        if self.sharded:
+            for key, piece in pieces:
+                segments.append((key * self.pieces + self.local_rank, piece.begin, piece.end))
+                grids[key * self.pieces + self.local_rank] = piece.config
+            return segments, grids
         for key, piece in pieces:
             bounds = piece_bounds(piece.end - piece.begin, piece.config.channel_size, self.pieces)
             for part, (begin, end) in enumerate(bounds):

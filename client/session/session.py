@@ -133,9 +133,9 @@ class GradqSession:
         job_id, incarnation = draw_run_names(group, config.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
         if host is not None:
-            if config.elastic_hosts:
+            if config.elastic_hosts and not host.sharded:
                 raise ValueError(f"elastic_hosts={config.elastic_hosts}: this adapter's jobs are not elastic yet")
-            job_ranks = host.hosts * host.local_size
+            job_ranks = host.hosts * host.member_ranks
         elif config.elastic_hosts:
             host = elastic_host(group, config.elastic_hosts, config.timeout_s)
             job_ranks = config.elastic_hosts * host.local_size
@@ -153,7 +153,7 @@ class GradqSession:
                 placed.hosts,
                 config.quant,
                 elastic=bool(config.elastic_hosts),
-                ranks=placed.local_size,
+                ranks=placed.member_ranks,
                 job_ranks=job_ranks,
                 max_members=config.elastic_max_hosts,
                 model_signature=model_signature,
@@ -245,11 +245,13 @@ class GradqSession:
         """Every round a tensor of ``numel`` reduced under ``key`` travels as, across the host: (round key, begin, end).
 
         Ascending round keys; the ranks of a host between them push them all
-        (``reduce`` pushes this rank's). The uniform grid's layout: an adaptive
+        (``reduce`` pushes this rank's); on a host of shards, this rank's own
+        tensor's rounds only (each rank's differ). The uniform grid's layout: an adaptive
         bit policy plans its pieces anew each step, so it has no fixed one.
         """
         assert self.client is not None, "a session in fallback pushes no rounds"
-        whole = replace(self.host, local_rank=0, local_size=1)  # a rank that pushes every piece
+        # A rank that pushes every piece (or, on a host of shards, this rank's own tensors).
+        whole = self.host if self.host.sharded else replace(self.host, local_rank=0, local_size=1)
         segments, _ = whole.segments([(key, Piece(0, numel, self.config.quant))])
         rounds = [
             (chunk, begin + chunk_begin, begin + chunk_end)
