@@ -173,12 +173,15 @@ class GlobalState:
     def matches(self, session: GradqSession, step: int) -> bool:
         """Whether the aggregator's copy before outer round ``step`` is this host's, bit for bit (adopts nothing).
 
+        Collective over the host's ranks: each checks the rounds it holds, and all return the host's answer.
+
         Raises:
             AggregationError: the aggregator refused (the message says why).
         """
         client = session.client
         assert client is not None
         rounds = self.round_keys(session)
+        mismatched = 0
         for round_key, key, begin, end, owner in rounds:
             if owner != session.host.local_rank:
                 continue
@@ -186,9 +189,12 @@ class GlobalState:
             matched, held_step, _, _ = client.seed_outer(
                 step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
             )
-            if not matched or held_step != step:
-                return False
-        return True
+            mismatched += not matched or held_step != step
+        if session.host.local_size > 1:  # no rank leaves (for the host) while another still asks
+            counted = torch.tensor([mismatched])
+            dist.all_reduce(counted, group=session.group)
+            mismatched = int(counted.item())
+        return mismatched == 0
 
     def receive(self, session: GradqSession) -> int:
         """A joiner takes the global state the aggregator sends at the next boundary; returns that outer round.

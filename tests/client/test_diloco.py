@@ -297,18 +297,20 @@ def test_semi_sync_a_slow_host_stalls_the_others_no_longer_than_the_grace_window
     assert caught_up and all(hosts[0].figures["digests"][key] == value for key, value in caught_up.items())
 
 
-def test_fsdp2_hosts_push_their_shards_and_every_round_leaves_them_bit_identical(
-    aggregator: AggregatorServer, tmp_path: Path
+@pytest.mark.parametrize("inside", ["fsdp", "ddp"])
+def test_hosts_of_two_ranks_push_one_copy_and_every_round_leaves_them_bit_identical(
+    aggregator: AggregatorServer, tmp_path: Path, inside: str
 ) -> None:
-    # Two hosts of two ranks each (one torchrun per host), the model sharded over a host's ranks with FSDP2;
-    # a third host joins later and takes the global state of its shards from the aggregator.
+    # Two hosts of two ranks each (one torchrun per host): the model sharded over a host's ranks with FSDP2
+    # (each rank pushes its own shards), or replicated by DDP (the ranks sum, then push a piece each). A third
+    # host joins later and takes the global state from the aggregator.
     def host(seed: int, *args: str) -> subprocess.Popen[bytes]:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        command = [*torchrun, str(EXAMPLE), "--inside", "fsdp", "--data-seed", str(seed), "--sync-every", "5"]
+        command = [*torchrun, str(EXAMPLE), "--inside", inside, "--data-seed", str(seed), "--sync-every", "5"]
         env = {
             **os.environ,
             "GRADQ_AGGREGATORS": f"127.0.0.1:{aggregator.port}",
-            "GRADQ_JOB_ID": "diloco-fsdp",
+            "GRADQ_JOB_ID": f"diloco-{inside}",
             "GRADQ_ELASTIC_HOSTS": "2",
             "GRADQ_BITS": "4",
             "GRADQ_ERROR_FEEDBACK": "1",
@@ -321,14 +323,14 @@ def test_fsdp2_hosts_push_their_shards_and_every_round_leaves_them_bit_identical
 
     progress = tmp_path / "progress"
     processes = [
-        host(0, "--rounds", "30", "--step-delay", "0.1", "--progress", str(progress)),
-        host(1, "--rounds", "30", "--step-delay", "0.1"),
+        host(0, "--rounds", "40", "--step-delay", "0.08", "--progress", str(progress)),
+        host(1, "--rounds", "40", "--step-delay", "0.08"),
     ]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
         assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
         time.sleep(0.1)
-    processes.append(host(2, "--rounds", "30", "--step-delay", "0.1"))
+    processes.append(host(2, "--rounds", "40", "--step-delay", "0.08"))
     codes = [process.wait(timeout=RUN_TIMEOUT_S) for process in processes]
     assert codes == [0, 0, 0], "\n".join((tmp_path / f"host{seed}.log").read_text()[-3000:] for seed in range(3))
 
@@ -342,15 +344,17 @@ def test_fsdp2_hosts_push_their_shards_and_every_round_leaves_them_bit_identical
     }
     for rank in range(2):  # each local rank holds the same shard on every host
         assert figures[(0, rank)]["digests"] == figures[(1, rank)]["digests"]
-        assert sorted(figures[(0, rank)]["digests"], key=int) == [str(r) for r in range(1, 31)]
+        assert sorted(figures[(0, rank)]["digests"], key=int) == [str(r) for r in range(1, 41)]
         joined_at = figures[(2, rank)]["joined_at_round"]
-        assert 3 <= joined_at < 30
+        assert 3 <= joined_at < 40
         after = {key: value for key, value in figures[(0, rank)]["digests"].items() if int(key) > joined_at}
         assert figures[(2, rank)]["digests"] == after  # from its first round on, the joiner's shards are theirs
         for seed in (1, 2):
             assert all(torch.equal(a, b) for a, b in zip(shards[(0, rank)], shards[(seed, rank)], strict=True))
     assert all(figure["matches_aggregator"] for figure in figures.values())
-    # The two ranks of a host hold different shards: the host pushes one copy of the model between them.
-    assert figures[(0, 0)]["digests"]["1"] != figures[(0, 1)]["digests"]["1"]
+    # FSDP2: the two ranks of a host hold different shards (the host pushes one copy of the model between
+    # them); DDP: the same replica.
+    same = figures[(0, 0)]["digests"]["1"] == figures[(0, 1)]["digests"]["1"]
+    assert same == (inside == "ddp")
     losses = figures[(0, 0)]["losses"]
     assert sum(losses[-5:]) < sum(losses[:5])  # it learns
