@@ -153,7 +153,12 @@ class GlobalState:
                     continue
                 parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
                 matched, held_step, theirs, their_momentum = client.seed_outer(
-                    step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
+                    # No momentum yet (before the first outer round) travels as none: half the bytes.
+                    step,
+                    round_key,
+                    len(rounds),
+                    parameters.numpy(),
+                    momentum.numpy() if momentum.any() else None,
                 )
                 if matched:
                     continue
