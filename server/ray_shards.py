@@ -20,6 +20,7 @@ importing this module loads neither Ray nor torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -48,16 +49,23 @@ class ShardActor:
     Args:
         index: the shard's place in the group.
         port: the port to serve on; the same at every restart.
+        metrics_port: the port of its metrics and status page (None: none); the same at every restart.
         policy, options, limits: the aggregator's settings (``options.address``'s
-            host is bound; its port is replaced by ``port``).
+            host is bound; its port is replaced by ``port``, its metrics port by ``metrics_port``).
     """
 
     def __init__(
-        self, index: int, port: int, policy: RoundPolicy, options: ServerOptions, limits: ServiceLimits
+        self,
+        index: int,
+        port: int,
+        metrics_port: int | None,
+        policy: RoundPolicy,
+        options: ServerOptions,
+        limits: ServiceLimits,
     ) -> None:
         host = options.address.rpartition(":")[0]
         self.index = index
-        options = dataclasses.replace(options, address=f"{host}:{port}")
+        options = dataclasses.replace(options, address=f"{host}:{port}", metrics_port=metrics_port)
         deadline = time.monotonic() + _BIND_PATIENCE_S
         while True:
             try:
@@ -82,14 +90,16 @@ class ShardActor:
         self.server.stop()
 
 
-def _node_port() -> tuple[str, int]:
-    """On the node this task runs on: its IP address and a port free there a moment ago."""
+def _node_ports(count: int) -> tuple[str, list[int]]:
+    """On the node this task runs on: its IP address and ``count`` different ports free there a moment ago."""
     import ray
 
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = int(probe.getsockname()[1])
-    return ray.util.get_node_ip_address(), port
+    with contextlib.ExitStack() as held:
+        probes = [held.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("", 0))
+        ports = [int(probe.getsockname()[1]) for probe in probes]
+    return ray.util.get_node_ip_address(), ports
 
 
 @dataclass
@@ -99,10 +109,13 @@ class RayShards:
     Attributes:
         addresses: ``ip:port`` of every shard, in shard order.
         actors: their Ray actor handles, in the same order.
+        metrics_addresses: ``ip:port`` of every shard's /metrics and /status
+            (empty unless ``options.metrics_port`` was set).
     """
 
     addresses: list[str]
     actors: list[Any]
+    metrics_addresses: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -165,7 +178,8 @@ def start_shards(
         policy: the round policy of every shard (None: RoundPolicy()).
         options: transport settings of every shard (None: ServerOptions()); the
             host of ``address`` is bound (default 0.0.0.0), its port is chosen
-            per shard; ``shard_group`` is set to the group. ``exit_after_jobs``
+            per shard, and so is the metrics port when ``metrics_port`` is not
+            None; ``shard_group`` is set to the group. ``exit_after_jobs``
             must be 0: Ray, not the job, ends these shards (``stop()``).
         limits: every shard's service limits (None: ServiceLimits()).
         num_cpus: CPUs each shard's actor takes from the cluster's resources.
@@ -202,22 +216,27 @@ def start_shards(
         raise ValueError(f"num_cpus={num_cpus}: no alive node of the Ray cluster has that many CPUs for a shard")
     placed = [nodes[index % len(nodes)]["NodeID"] for index in range(count)]
     pinned = [NodeAffinitySchedulingStrategy(node_id=node, soft=False) for node in placed]
-    probe = ray.remote(num_cpus=0)(_node_port)
-    found = ray.get([probe.options(scheduling_strategy=pin).remote() for pin in pinned], timeout=timeout_s)
-    addresses = [f"{ip}:{port}" for ip, port in found]
-    if len(set(addresses)) != len(addresses):  # two probes on one node drew the same port: try once more
+    metrics = options.metrics_port is not None
+    probe = ray.remote(num_cpus=0)(_node_ports)
+    found = ray.get(
+        [probe.options(scheduling_strategy=pin).remote(2 if metrics else 1) for pin in pinned], timeout=timeout_s
+    )
+    ports = [(ip, port, spare[0] if spare else None) for ip, (port, *spare) in found]
+    taken = [f"{ip}:{port}" for ip, *pair in ports for port in pair if port is not None]
+    if len(set(taken)) != len(taken):  # two probes on one node drew the same port: draw again
         return start_shards(
             count, policy, options, limits, num_cpus=num_cpus, max_restarts=max_restarts, timeout_s=timeout_s
         )
+    addresses = [f"{ip}:{port}" for ip, port, _ in ports]
     options = dataclasses.replace(options, shard_group=tuple(addresses))
     actor_class = ray.remote(ShardActor)
     actors = [
         actor_class.options(
             num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=-1, scheduling_strategy=pin
-        ).remote(index, port, policy or RoundPolicy(), options, limits or ServiceLimits())
-        for index, ((_, port), pin) in enumerate(zip(found, pinned, strict=True))
+        ).remote(index, port, metrics_port, policy or RoundPolicy(), options, limits or ServiceLimits())
+        for index, ((_, port, metrics_port), pin) in enumerate(zip(ports, pinned, strict=True))
     ]
-    shards = RayShards(addresses, actors)
+    shards = RayShards(addresses, actors, [f"{ip}:{port}" for ip, _, port in ports if port is not None])
     try:
         shards.pids(timeout_s)  # every constructor has run: each shard serves
     except BaseException:

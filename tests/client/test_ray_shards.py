@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ def shards(ray_cluster: None) -> Iterator[Any]:
     from gradq.server.ray_shards import start_shards
 
     # Half a CPU each: the cluster's 2 CPUs hold both shards and the two training workers (half a CPU each too).
-    started = start_shards(2, RoundPolicy(round_timeout_s=60.0), ServerOptions("0.0.0.0:0", grace_s=1.0), num_cpus=0.5)
+    options = ServerOptions("0.0.0.0:0", grace_s=1.0, metrics_port=0)  # metrics too: each shard its own port
+    started = start_shards(2, RoundPolicy(round_timeout_s=60.0), options, num_cpus=0.5)
     yield started
     started.stop()
 
@@ -82,6 +84,9 @@ def test_a_shard_ray_restarts_after_sigkill_lets_training_finish_with_the_right_
     assert after[0] != before[0] and after[1] == before[1]  # Ray restarted the killed shard's actor, and only it
     counters = shards.counters()
     assert counters[0]["rounds_completed"] > 0  # the restarted shard, on the same address, took the later steps
+    # ... and serves its metrics on the same port too, counting this job's rounds since its restart.
+    with urllib.request.urlopen(f"http://{shards.metrics_addresses[0]}/metrics", timeout=10) as response:
+        assert f'gradq_contributions_total{{job="ray-gradq-{tmp_path.name}-killed-run"}}' in response.read().decode()
     for report in reports:
         assert (report["mode"], report["steps"]) == ("gradq", STEPS)
         assert report["addresses"] == shards.addresses
