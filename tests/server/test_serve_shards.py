@@ -236,3 +236,14 @@ def test_a_shard_that_cannot_start_stops_the_others_and_the_parent_exits_with_it
     assert f"cannot listen on 127.0.0.1:{port + 1}: the port is in use" in completed.stderr
     assert f"shard 1 (port {port + 1}) could not start (exit status 2); stopping the other shards" in completed.stderr
     assert not listening(port)
+
+
+def test_the_plan_names_the_advertised_host_chosen_ports_and_consecutive_metrics_ports() -> None:
+    from gradq.server.shard_plan import ShardPlan, plan_shards
+
+    plan = plan_shards(None, (50051, 50061), 0, 9100, "0.0.0.0", "aggregator", None)
+    assert plan == ShardPlan((50051, 50061), (9100, 9101), ("aggregator:50051", "aggregator:50061"))
+    assert plan_shards(3, None, 7000, None, "0.0.0.0", None, None) == ShardPlan(
+        (7000, 7001, 7002), (None, None, None), (":7000", ":7001", ":7002")
+    )
+    assert plan_shards(None, None, 50051, 9100, "0.0.0.0", None, None) is None  # one shard: the plain gradq serve
