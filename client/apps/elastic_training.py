@@ -130,8 +130,12 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
                     model(torch.from_numpy(x_train[batch])), torch.from_numpy(y_train[batch])
                 )
                 optimizer.zero_grad()
+                rejoins = state.rejoins
                 loss.backward()
-                optimizer.step()
+                optimizer.step()  # a host found dropped in this step rejoins here and takes the state
+                if state.rejoins != rejoins:  # its step was dropped with it: go on from the step it joined at
+                    step, member = state.step, state.client.rank if state.client is not None else member
+                    continue
                 world = state.world()
                 if spec.on_step is not None and local_rank == 0:
                     spec.on_step(

@@ -9,6 +9,7 @@ completion callbacks fill it with the averaged bucket.
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
 # registration and needs real types, not strings.
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -26,7 +27,13 @@ from gradq.client.elastic import JobWorld
 from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS
 from gradq.client.security import ChannelSecurity
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
+from gradq.client.session.elastic import (
+    check_shareable,
+    dropped_from_job,
+    model_signature,
+    receive_training_state,
+    serve_joiners,
+)
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
@@ -34,6 +41,8 @@ from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 
 __all__ = ["GradqHookState", "gradq_hook", "FALLBACKS"]
+
+log = logging.getLogger(__name__)
 
 # GradqConfig's fields, read through the state as they were before the config was split out
 # (``config`` is the quantization grid, GradqConfig.quant).
@@ -68,9 +77,11 @@ class GradqHookState:
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_config",  # the frozen configuration; replaced only by load_state_dict before connecting
         "_loaded",  # residuals from load_state_dict, handed to the session when it connects
+        "_rejoin",  # elastic: this host was dropped during the step; it rejoins after the optimizer's step
         "_session",  # the connected session (None before the first bucket); left out of the pickled form
         "_shared",  # elastic: the objects (model, optimizer, ...) whose state a joiner receives
         "process_group",  # DDP's group; left out of the pickled form
+        "rejoins",  # elastic: times this host was dropped (silent past the keepalive) and joined again
         "step",  # iteration counter: with the bucket index, the round key
     )
 
@@ -123,6 +134,8 @@ class GradqHookState:
         self._loaded = ParameterResiduals(None, config.codec)
         self._shared: list[Any] = []
         self._closed = False
+        self._rejoin = False
+        self.rejoins = 0
 
     @classmethod
     def from_config(cls, config: GradqConfig, process_group: dist.ProcessGroup | None = None) -> "GradqHookState":
@@ -270,9 +283,46 @@ class GradqHookState:
         """
         if self._config.elastic_hosts:
             _fix_bucket_layout(self._shared)
+            for optimizer in (item for item in self._shared if isinstance(item, torch.optim.Optimizer)):
+                optimizer.register_step_post_hook(self._after_optimizer_step)
         session = self._connected()
         self.step = receive_training_state(session, self._shared, self.step)
         return self.step
+
+    def _absorb(self, error: BaseException) -> bool:
+        """A bucket failed because the aggregator dropped this host: rejoin after this step instead of raising.
+
+        Only when an optimizer is shared: its step is where the host can take
+        the state (this step's buckets went back unreduced, and the state it
+        receives then replaces what the optimizer made of them).
+        """
+        shares_optimizer = any(isinstance(item, torch.optim.Optimizer) for item in self._shared)
+        if not (self._config.elastic_hosts and shares_optimizer and dropped_from_job(error)):
+            return False
+        if not self._rejoin:
+            log.warning("this host was dropped from its elastic job (%s); it rejoins after this step", error)
+        self._rejoin = True
+        return True
+
+    def _after_optimizer_step(self, *_: Any) -> None:
+        if self._rejoin and not self._closed:
+            self._rejoin = False
+            self._rejoin_job()
+
+    def _rejoin_job(self) -> None:
+        """Join again as a joiner and take the state from a live host; the loop goes on from its step.
+
+        Collective over the host's ranks (they all found the host dropped in the same step).
+        """
+        assert self._session is not None
+        self._session.close()
+        self._session = None
+        session = self._connected()
+        self.step = receive_training_state(session, self._shared, self.step)
+        self.rejoins += 1
+        log.warning(
+            "rejoined %s as member %s at step %d", session.job_id, self.client.rank if self.client else "?", self.step
+        )
 
     def world(self) -> JobWorld | None:
         """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
@@ -310,6 +360,7 @@ class GradqHookState:
             signature = model_signature(self._shared) if self._config.elastic_hosts else ""
             session = GradqSession.connect(self._config, self.process_group, model_signature=signature)
             session.residuals.load_state_dict(self._loaded.state_dict())
+            session.failures.absorb = self._absorb
             self._session, self._loaded = session, ParameterResiduals(None, self._config.codec)
         return self._session
 

@@ -63,7 +63,13 @@ from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import check_shareable, model_signature, receive_training_state, serve_joiners
+from gradq.client.session.elastic import (
+    check_shareable,
+    dropped_from_job,
+    model_signature,
+    receive_training_state,
+    serve_joiners,
+)
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.stats import ClientStats
 
@@ -277,7 +283,7 @@ class DiLoCo:
         try:
             self._round()
         except AggregationError as error:
-            if not _dropped(error):
+            if not dropped_from_job(error):
                 raise
             self._rejoin(error)
 
@@ -477,12 +483,6 @@ def _late(error: AggregationError) -> bool:
     """The aggregator closed a semi-synchronous round without this host and merged its push into the next."""
     code = error.code.name if error.code is not None else ""
     return code == "FAILED_PRECONDITION" and " was late for " in error.details
-
-
-def _dropped(error: AggregationError) -> bool:
-    """The aggregator no longer counts this host a member (dropped as lost while it was silent)."""
-    code = error.code.name if error.code is not None else ""
-    return code == "FAILED_PRECONDITION" and ("has not joined" in error.details or "is pending" in error.details)
 
 
 def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:

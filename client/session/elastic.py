@@ -41,7 +41,14 @@ from gradq.client.sending import AggregationError
 if TYPE_CHECKING:
     from gradq.client.session.session import GradqSession
 
-__all__ = ["check_shareable", "model_signature", "receive_training_state", "serve_joiners", "training_state"]
+__all__ = [
+    "check_shareable",
+    "dropped_from_job",
+    "model_signature",
+    "receive_training_state",
+    "serve_joiners",
+    "training_state",
+]
 
 # The most the aggregator takes of a model's signature (gradq.proto: JoinRequest.model_signature).
 MAX_SIGNATURE_BYTES = 1 << 20
@@ -161,3 +168,14 @@ def serve_joiners(session: GradqSession, shared: Sequence[Any], step: int) -> No
             log.warning("could not send member %d the training state: %s", joiner, error)
             continue
         log.info("sent member %d the training state before step %d (%d bytes)", joiner, step, relayed)
+
+
+def dropped_from_job(error: BaseException) -> bool:
+    """A refusal saying the aggregator no longer counts this host a member (dropped while it was silent).
+
+    Its way back is a Join as a joiner, which takes the state (never its own model, which is stale).
+    """
+    if not isinstance(error, AggregationError):
+        return False
+    code = error.code.name if error.code is not None else ""
+    return code == "FAILED_PRECONDITION" and ("has not joined" in error.details or "is pending" in error.details)

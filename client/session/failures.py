@@ -19,6 +19,7 @@ consistent for the next iteration.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -28,9 +29,12 @@ __all__ = ["BackwardFailures"]
 class BackwardFailures:
     """Collects the bucket failures of each backward pass and raises the first one at its end."""
 
-    __slots__ = ("_errors", "_graph_task", "_lock", "_pending")
+    __slots__ = ("_errors", "_graph_task", "_lock", "_pending", "absorb")
 
     def __init__(self) -> None:
+        # Says whether a failure is handled by its adapter instead of raised (an elastic host that was
+        # dropped rejoins after the optimizer's step); None: every failure is raised.
+        self.absorb: Callable[[BaseException], bool] | None = None
         self._lock = threading.Lock()  # futures complete on gRPC threads
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this pass's futures, as DDP sees them
         self._errors: list[BaseException] = []  # failures of this pass, in completion order
@@ -80,5 +84,7 @@ class BackwardFailures:
             future.wait()  # DDP waited on them already; this orders the errors list
         with self._lock:
             errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+        absorb = self.absorb
+        raised = [error for error in errors if absorb is None or not absorb(error)]
+        if raised:
+            raise raised[0]

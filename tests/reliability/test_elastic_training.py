@@ -134,25 +134,37 @@ def _step(record: dict[str, float]) -> float:
     return record["step"]
 
 
-def test_a_stopped_host_is_dropped_within_seconds_and_the_others_never_stall_past_that(
+def test_a_stopped_host_is_dropped_within_seconds_and_rejoins_by_itself_when_it_comes_back(
     address: str, tmp_path: Path
 ) -> None:
     # A SIGSTOP stands for a hung driver, a frozen VM or a partition: the process keeps its connections open
-    # but answers nothing, HTTP/2 pings included. The aggregator's keepalive finds it and drops it.
-    hosts = [start_host(address, "silent", HOSTS, 300, tmp_path / f"silent{i}.jsonl", STEP_SLEEP_S) for i in range(3)]
+    # but answers nothing, HTTP/2 pings included. The aggregator's keepalive finds it and drops it. Back after
+    # 10 s, it finds itself dropped, joins again as a joiner and takes the state from a live host.
+    hosts = [start_host(address, "silent", HOSTS, 900, tmp_path / f"silent{i}.jsonl", STEP_SLEEP_S) for i in range(3)]
     silent, survivors = hosts[2], hosts[:2]
+    stopped = False
     try:
         wait_for("every host at step 10", lambda: min(h.last_step() for h in hosts) >= 10, 120, hosts)
         os.kill(silent.process.pid, signal.SIGSTOP)
-        stopped_at = time.time()
+        stopped, stopped_at = True, time.time()
         wait_for("the survivors 40 steps on", lambda: min(h.last_step() for h in survivors) >= 50, 60, hosts)
-        still_stopped = time.time() - stopped_at < 10.0
-        assert still_stopped, "the survivors took 10 s for 40 steps: they stalled"
+        assert time.time() - stopped_at < 10.0, "the survivors took 10 s for 40 steps: they stalled"
+        time.sleep(max(0.0, stopped_at + 10.0 - time.time()))
+        os.kill(silent.process.pid, signal.SIGCONT)
+        stopped, resumed_at = False, time.time()
+        back = lambda: [s for s, r in silent.steps().items() if r["finished_at"] > resumed_at]  # noqa: E731
+        wait_for("the silent host training again", lambda: len(back()) >= 3, 60, hosts)
+        finish(hosts, timeout_s=240)
     finally:
         for host in hosts:
-            if host is silent:
+            if host is silent and stopped:
                 os.kill(host.process.pid, signal.SIGCONT)
             stop(host)
+    # It came back as a joiner: its first step after the stop starts from the others' state, bit for bit.
+    rejoined = min(back())
+    assert rejoined > 50, rejoined
+    assert silent.steps()[rejoined]["parameters_sha256"] == survivors[0].steps()[rejoined]["parameters_sha256"]
+    assert len({host.result()["parameters_sha256"] for host in hosts}) == 1
     for survivor in (host.steps() for host in survivors):
         steps = sorted(survivor)
         assert steps == list(range(steps[0], steps[-1] + 1))  # no step failed or was skipped
