@@ -1,21 +1,35 @@
-"""Aggregator throughput: rounds/s, GB/s aggregated and peak RSS of one `gradq.server` process under W ranks.
+"""Aggregator throughput: rounds/s, GB/s of wire per aggregator CPU-second and peak RSS of S shards under W ranks.
 
 Run from the repository root with the virtualenv's interpreter::
 
-    python bench/server_throughput.py                       # W = 2 4 8 16, 8 and 4 bits, 10 rounds
+    python bench/server_throughput.py                       # W = 2 4 8 16, 8 and 4 bits, 1 shard, 10 rounds
     python bench/server_throughput.py --workers 4 --bits 8 --rounds 20 --numel 1000000
+    python bench/server_throughput.py --workers 4 --bits 8 4 2 --shards 1 2 4 --numel 1048576 --rounds 100
 
-The aggregator runs as a real separate process (``python -m gradq.server``), so
-it never shares the GIL with the simulated workers and its RSS can be sampled
-(psutil, every 20 ms, on a background thread). The W ranks live in this one
-process, each with its own channel and its own TCP connection (a local
-subchannel pool; gRPC would otherwise share one connection between channels).
-Each rank's bucket is encoded once per configuration and the same request is
-pushed every round with a new step number, so the figures measure the server
-(decode-accumulate, average, re-encode, protobuf and gRPC transport), not
-client-side quantization. All W pushes of a round are in flight at once
-(``PushPull.future``); the next round starts when every rank has its mean, as
-in a synchronous data-parallel step.
+Each aggregator shard runs as a real separate process (``python -m
+gradq.server``), so it never shares the GIL with the simulated workers, its
+CPU time is its own and its RSS can be sampled (psutil, every 20 ms, on a
+background thread). The W ranks live in this one process, each with its own
+channel and its own TCP connection to every shard (a local subchannel pool;
+gRPC would otherwise share one connection between channels). Every round,
+each rank pushes one bucket of ``--numel`` elements to every shard (bucket
+key = shard index), so each shard carries the same load whatever S is. Each
+rank's bucket is encoded once per configuration and pushed every round with
+a new step number, as the client's own ``serialize_with_tensor`` builds it,
+and the answers are read without parsing their payload, so the figures
+measure the server (protobuf, digest, decode-accumulate, average, re-encode,
+gRPC transport), not client-side quantization. All W x S pushes of a round
+are in flight at once; the next round starts when every rank has its means,
+as in a synchronous data-parallel step.
+
+The headline figure is GB/s of wire per aggregator CPU-second: every push's
+request plus its response, protobuf bytes without gRPC/HTTP2 framing, divided
+by the user + system CPU seconds of all shard processes over the timed
+rounds (psutil's ``cpu_times``, every thread of theirs: the event loop, the
+pool and gRPC's own). Process CPU time, not wall time, is the measure because
+the workers, the shards and whatever else runs on the machine share its
+cores: wall-clock rates are a floor that moves with the load, CPU time per
+byte much less.
 
 The server is restarted for every (bits, W) configuration, so each row's peak
 RSS belongs to that configuration alone and no earlier job's retained rounds
@@ -25,11 +39,9 @@ push, so its RSS after the warm-up rounds includes numba, its baseline does not.
 The warm-up round's mean is checked against the exact mean of the pushes.
 Ctrl-C stops the server (SIGTERM, then SIGKILL) before the script exits.
 
-GB/s is W x 4 bytes x numel x rounds / seconds (1 GB = 1e9 bytes); wire MB
-(1 MB = 1e6 bytes) is one rank's PushPullRequest plus PushPullResponse as
-protobuf bytes per round, without gRPC/HTTP2 framing. Both the workers and the
-server share this machine's cores, so on a small machine the server figures
-are a floor. This is a benchmark, not a test.
+GB/s aggregated is W x S x 4 bytes x numel x rounds / seconds (1 GB = 1e9
+bytes); wire MB (1 MB = 1e6 bytes) is one push's PushPullRequest plus its
+PushPullResponse. This is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ for _variable in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OP
     os.environ[_variable] = "1"
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -58,10 +71,11 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from gradq.proto.convert import tensor_from_proto, tensor_to_proto  # noqa: E402
+from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto  # noqa: E402
+from gradq.proto.transport import channel_options, keep_large_buffers  # noqa: E402
 from gradq.proto.v1 import aggregator_pb2 as pb  # noqa: E402
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc  # noqa: E402
-from gradq.qcore import QuantConfig, Scheme, decode, decode_accumulate, encode  # noqa: E402
+from gradq.qcore import QuantConfig, QuantizedArray, Scheme, decode, decode_accumulate, encode  # noqa: E402
 
 BUCKET_NUMEL = 6_553_600  # 25 MiB of float32, a typical DDP bucket
 FP32_BYTES = 4
@@ -74,40 +88,78 @@ START_TIMEOUT_S = 60.0  # for the server to write its port file
 CALL_TIMEOUT_S = 120.0  # deadline of every RPC
 STOP_TIMEOUT_S = 15.0  # after SIGTERM, before SIGKILL
 SERVER_GRACE_S = 2.0  # the server's own --grace: rounds are normally all answered when we stop it
+# One aggregator core should move this much wire (in + out) at 4 bits with >= 4 pushers: about 1.25x
+# BytePS's ~0.8 GB/s per core (4 cores for its C++ server at 25 Gbit/s).
+TARGET_GB_PER_CPU_S = 1.0
 MEAN_TOLERANCE_STEPS = 1.0  # the returned mean may be off the exact mean by at most one grid step
+PUSH_PULL = "/gradq.v1.Aggregator/PushPull"
 MB = 1e6
 GB = 1e9
+MS = 1e3
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One (bits, W) configuration's measurements."""
+    """One (bits, W, S) configuration's measurements."""
 
     bits: int  # bits per element of the pushed buckets (and of the mean sent back)
     world_size: int  # ranks pushing every round
+    shards: int  # aggregator processes; every rank pushes one bucket to each every round
     numel: int  # float32 elements per bucket
     rounds: int  # timed rounds
     seconds: float  # wall time of the timed rounds
-    wire_bytes: int  # one rank's request + response protobuf bytes per round
-    baseline_rss: int  # server RSS after the joins, before the first push
-    warm_rss: int  # server RSS after the warm-up rounds
-    peak_rss: int  # largest server RSS sampled, warm-up included
-    server_cpu_s: float  # server user + system CPU seconds during the timed rounds
+    request_bytes: int  # one push's PushPullRequest, protobuf bytes
+    response_bytes: int  # its PushPullResponse
+    baseline_rss: int  # the largest shard's RSS after the joins, before the first push
+    warm_rss: int  # the largest shard's RSS after the warm-up rounds
+    peak_rss: int  # the largest RSS any shard reached, warm-up included
+    server_cpu_s: float  # user + system CPU seconds of all shards during the timed rounds
     client_cpu_s: float  # the same for this process (all W ranks), which shares the machine
+    floor_cpu_s: float | None = None  # the same pushes' CPU on bare gRPC-Python servers (``serve_floor``)
+
+    @property
+    def floor_ms_per_push(self) -> float | None:
+        """Bare gRPC-Python's CPU milliseconds per push of the same bytes, when measured."""
+        return None if self.floor_cpu_s is None else MS * self.floor_cpu_s / self.pushes
+
+    @property
+    def pushes(self) -> int:
+        """Pushes (each answered with a mean) over the timed rounds, all shards together."""
+        return self.world_size * self.shards * self.rounds
+
+    @property
+    def wire_bytes(self) -> int:
+        """Wire bytes in and out of the shards over the timed rounds (protobuf, without gRPC framing)."""
+        return self.pushes * (self.request_bytes + self.response_bytes)
 
     @property
     def rounds_per_s(self) -> float:
-        """Completed rounds per second."""
+        """Completed rounds (one per shard, all at once) per second."""
         return self.rounds / self.seconds
 
     @property
     def gbps(self) -> float:
-        """GB of fp32 gradient averaged per second, all ranks together."""
-        return self.world_size * self.numel * FP32_BYTES * self.rounds / self.seconds / GB
+        """GB of fp32 gradient averaged per second, all ranks and shards together."""
+        return self.pushes * self.numel * FP32_BYTES / self.seconds / GB
+
+    @property
+    def wire_gbps(self) -> float:
+        """GB of wire (in + out) per wall second, all shards together."""
+        return self.wire_bytes / self.seconds / GB
+
+    @property
+    def wire_gb_per_cpu_s(self) -> float:
+        """GB of wire (in + out) per CPU second of the shards: what one aggregator core moves."""
+        return self.wire_bytes / self.server_cpu_s / GB
+
+    @property
+    def cpu_ms_per_push(self) -> float:
+        """Aggregator CPU milliseconds per push, its share of the round's re-encode included."""
+        return MS * self.server_cpu_s / self.pushes
 
     @property
     def server_cores(self) -> float:
-        """Average number of cores the server kept busy during the timed rounds."""
+        """Average number of cores the shards kept busy during the timed rounds."""
         return self.server_cpu_s / self.seconds
 
     @property
@@ -125,14 +177,14 @@ class ServerProcess:
 
 
 class PeakRssSampler:
-    """Samples a process's RSS every ``RSS_INTERVAL_S`` on a daemon thread and keeps the largest.
+    """Samples processes' RSS every ``RSS_INTERVAL_S`` on a daemon thread and keeps the largest of any.
 
     Args:
-        process: the process to watch.
+        processes: the processes to watch (the shards).
     """
 
-    def __init__(self, process: psutil.Process) -> None:
-        self._process = process
+    def __init__(self, processes: Sequence[psutil.Process]) -> None:
+        self._processes = list(processes)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, name="rss-sampler", daemon=True)
         # Largest RSS seen; final once __exit__ has joined the thread and taken a last sample.
@@ -151,12 +203,12 @@ class PeakRssSampler:
             self.sample()
 
     def sample(self) -> int:
-        """The process's RSS now, in bytes, counted towards the peak.
+        """The largest of the processes' RSS now, in bytes, counted towards the peak.
 
         Raises:
-            psutil.Error: the process is gone.
+            psutil.Error: a process is gone.
         """
-        rss = int(self._process.memory_info().rss)
+        rss = max(int(process.memory_info().rss) for process in self._processes)
         self.peak_bytes = max(self.peak_bytes, rss)
         return rss
 
@@ -220,11 +272,12 @@ def _stop_server(popen: subprocess.Popen[bytes], log_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_server(world_size: int) -> Iterator[ServerProcess]:
+def running_server(world_size: int, command: Callable[[int, Path], list[str]] | None = None) -> Iterator[ServerProcess]:
     """Start ``python -m gradq.server`` on a free port; SIGTERM it (SIGKILL if it hangs) on the way out.
 
     Args:
         world_size: the server's ``--world-size``.
+        command: (world size, port file) -> the server's argv; None runs gradq's aggregator.
 
     Yields:
         The running server, once it has written its port file.
@@ -238,7 +291,7 @@ def running_server(world_size: int) -> Iterator[ServerProcess]:
         with log_path.open("wb") as log_file:
             # A session of its own: Ctrl-C reaches only this script, whose finally stops the server.
             popen = subprocess.Popen(
-                _server_command(world_size, port_file),
+                (command or _server_command)(world_size, port_file),
                 stdout=subprocess.DEVNULL,
                 stderr=log_file,
                 start_new_session=True,
@@ -251,15 +304,98 @@ def running_server(world_size: int) -> Iterator[ServerProcess]:
 
 
 @contextlib.contextmanager
-def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.AggregatorStub]]:
-    """One channel (and TCP connection) per rank, closed on the way out.
+def running_shards(
+    world_size: int, shards: int, command: Callable[[int, Path], list[str]] | None = None
+) -> Iterator[list[ServerProcess]]:
+    """``shards`` aggregators (``running_server``), each a process of its own; all stopped on the way out.
+
+    Yields:
+        The running shards, in shard order.
+    """
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(running_server(world_size, command)) for _ in range(shards)]
+
+
+def _floor_command(bits: int, numel: int) -> Callable[[int, Path], list[str]]:
+    """The argv of this script as a bare gRPC-Python PushPull server (``serve_floor``)."""
+
+    def command(world_size: int, port_file: Path) -> list[str]:
+        return [
+            sys.executable,
+            __file__,
+            "--serve-floor",
+            str(world_size),
+            "--bits",
+            str(bits),
+            "--numel",
+            str(numel),
+            "--port-file",
+            str(port_file),
+        ]
+
+    return command
+
+
+def serve_floor(world_size: int, bits: int, numel: int, port_file: Path) -> None:
+    """Serve PushPull as bare gRPC-Python until SIGTERM: every ``world_size`` calls are one round.
+
+    The floor under gradq's figure: the same grpc.aio server, message limits,
+    raw-bytes handlers and allocator settings, with calls parked on a bare
+    future until their round's last one arrives, then all answered with a
+    canned mean of the pushes' size. No parsing, digest, decoding, averaging
+    or encoding. A round is simply the next ``world_size`` calls: the bench
+    starts a round only once the last one is answered.
+    """
+    keep_large_buffers()
+    values = np.random.default_rng(0).normal(0, 1e-3, numel).astype(np.float32)
+    mean = encode(values, QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=bits))
+    answer = serialize_with_tensor(pb.PushPullResponse(contributors=world_size), "mean", mean)
+    joined = pb.JoinResponse(world_size=world_size, joined=world_size).SerializeToString()
+    asyncio.run(_serve_floor(world_size, answer, joined, port_file))
+
+
+async def _serve_floor(world_size: int, answer: bytes, joined: bytes, port_file: Path) -> None:
+    waiting: list[asyncio.Future[None]] = []
+
+    async def push_pull(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        future = asyncio.get_running_loop().create_future()
+        waiting.append(future)
+        if len(waiting) == world_size:
+            for parked in waiting:
+                parked.set_result(None)
+            waiting.clear()
+        await future
+        return answer
+
+    def join(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return joined
+
+    server = grpc.aio.server(options=channel_options())
+    handlers = {
+        "PushPull": grpc.unary_unary_rpc_method_handler(push_pull),
+        "Join": grpc.unary_unary_rpc_method_handler(join),
+    }
+    service = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stopping = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set_result, None)
+    port_file.write_text(f"{port}\n")
+    await stopping
+    await server.stop(None)
+
+
+@contextlib.contextmanager
+def rank_channels(addresses: Sequence[str], world_size: int) -> Iterator[list[list[grpc.Channel]]]:
+    """One channel (and TCP connection) per rank and shard, closed on the way out.
 
     Args:
-        address: the server's host:port.
+        addresses: every shard's host:port.
         world_size: how many ranks.
 
     Yields:
-        One stub per rank, rank order.
+        ``channels[rank][shard]``.
     """
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -267,12 +403,13 @@ def rank_stubs(address: str, world_size: int) -> Iterator[list[pb_grpc.Aggregato
         # Separate workers hold separate connections; without this all channels share one.
         ("grpc.use_local_subchannel_pool", 1),
     ]
-    channels = [grpc.insecure_channel(address, options=options) for _ in range(world_size)]
+    channels = [[grpc.insecure_channel(address, options=options) for address in addresses] for _ in range(world_size)]
     try:
-        yield [pb_grpc.AggregatorStub(channel) for channel in channels]
+        yield channels
     finally:
-        for channel in channels:
-            channel.close()
+        for per_rank in channels:
+            for channel in per_rank:
+                channel.close()
 
 
 @contextlib.contextmanager
@@ -293,77 +430,78 @@ def interrupt_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def join_ranks(stubs: Sequence[pb_grpc.AggregatorStub]) -> None:
-    """Join every rank to ``JOB_ID``, waiting for the server to accept connections."""
+def join_ranks(channels: Sequence[Sequence[grpc.Channel]]) -> None:
+    """Join every rank to ``JOB_ID`` on every shard, waiting for the shards to accept connections."""
     with interrupt_deferred():
         calls = [
-            stub.Join.future(
-                pb.JoinRequest(job_id=JOB_ID, rank=rank, world_size=len(stubs)),
+            pb_grpc.AggregatorStub(channel).Join.future(
+                pb.JoinRequest(job_id=JOB_ID, rank=rank, world_size=len(channels)),
                 timeout=CALL_TIMEOUT_S,
                 wait_for_ready=True,
             )
-            for rank, stub in enumerate(stubs)
+            for rank, per_rank in enumerate(channels)
+            for channel in per_rank
         ]
     for call in calls:
         call.result()
 
 
-def build_requests(gradients: Sequence[np.ndarray], config: QuantConfig) -> list[pb.PushPullRequest]:
-    """Encode each rank's bucket once and wrap it in the request that rank pushes every round.
-
-    Args:
-        gradients: one float32 bucket per rank.
-        config: the wire scheme.
-
-    Returns:
-        One request per rank (step 0; ``push_round`` sets the step).
-    """
-    return [
-        pb.PushPullRequest(job_id=JOB_ID, step=0, bucket=0, rank=rank, tensor=tensor_to_proto(encode(bucket, config)))
-        for rank, bucket in enumerate(gradients)
-    ]
+def push_request(rank: int, shard: int, step: int, tensor: QuantizedArray) -> bytes:
+    """Rank ``rank``'s push of ``tensor`` to ``shard`` (bucket key = shard) for ``step``, as the client builds it."""
+    header = pb.PushPullRequest(job_id=JOB_ID, step=step, bucket=shard, rank=rank)
+    return serialize_with_tensor(header, "tensor", tensor)
 
 
 def push_round(
-    stubs: Sequence[pb_grpc.AggregatorStub], requests: Sequence[pb.PushPullRequest], step: int
-) -> list[pb.PushPullResponse]:
-    """Push every rank's request for ``step`` at once and wait for all the means.
+    calls: Sequence[Sequence[grpc.UnaryUnaryMultiCallable]], tensors: Sequence[QuantizedArray], step: int
+) -> list[list[bytes]]:
+    """Push every rank's bucket to every shard for ``step`` at once and wait for all the means.
+
+    Args:
+        calls: ``calls[rank][shard]``, raw-bytes PushPull callables.
+        tensors: each rank's encoded bucket.
+        step: the round's step.
 
     Returns:
-        One response per rank.
+        ``responses[rank][shard]``, serialized PushPullResponses.
 
     Raises:
         grpc.RpcError: a push failed.
         RuntimeError: a round closed without every rank.
     """
-    calls = []
+    futures = []
     with interrupt_deferred():
-        for stub, request in zip(stubs, requests, strict=True):
-            # future() serializes the request before returning, so rewriting the step is safe.
-            request.step = step
-            calls.append(stub.PushPull.future(request, timeout=CALL_TIMEOUT_S))
-    responses = [call.result() for call in calls]
-    for response in responses:
-        if response.partial or response.contributors != len(requests):
-            raise RuntimeError(
-                f"step {step}: contributors={response.contributors}, partial={response.partial}; "
-                f"expected all {len(requests)} ranks"
+        for rank, (per_rank, tensor) in enumerate(zip(calls, tensors, strict=True)):
+            futures.append(
+                [
+                    call.future(push_request(rank, shard, step, tensor), timeout=CALL_TIMEOUT_S)
+                    for shard, call in enumerate(per_rank)
+                ]
             )
+    responses = [[future.result() for future in per_rank] for per_rank in futures]
+    for per_rank in responses:
+        for data in per_rank:
+            response, _ = parse_with_tensor(data, pb.PushPullResponse, "mean")  # the payload stays unparsed
+            if response.partial or response.contributors != len(tensors):
+                raise RuntimeError(
+                    f"step {step}: contributors={response.contributors}, partial={response.partial}; "
+                    f"expected all {len(tensors)} ranks"
+                )
     return responses
 
 
-def check_mean(response: pb.PushPullResponse, requests: Sequence[pb.PushPullRequest]) -> None:
-    """Check the returned mean against the exact mean of the pushed buckets, in grid steps.
+def check_mean(response: bytes, tensors: Sequence[QuantizedArray]) -> None:
+    """Check a returned mean against the exact mean of the pushed buckets, in grid steps.
 
     Raises:
         RuntimeError: naming the worst element, when it is off by more than ``MEAN_TOLERANCE_STEPS``.
     """
-    pushed = [tensor_from_proto(request.tensor) for request in requests]
-    expected = np.zeros(pushed[0].numel, np.float32)
-    for tensor in pushed:
+    expected = np.zeros(tensors[0].numel, np.float32)
+    for tensor in tensors:
         decode_accumulate(tensor, expected)
-    expected /= np.float32(len(pushed))
-    mean = tensor_from_proto(response.mean)
+    expected /= np.float32(len(tensors))
+    message, payload = parse_with_tensor(response, pb.PushPullResponse, "mean")
+    mean = tensor_from_proto(message.mean, "mean", payload)
     values = decode(mean)
     grid_step = np.repeat(mean.scale, mean.channel_size)[: mean.numel]
     error = np.abs(values - expected) / grid_step
@@ -381,60 +519,107 @@ def _cpu_seconds(process: psutil.Process) -> float:
 
 
 def time_rounds(
-    stubs: Sequence[pb_grpc.AggregatorStub],
-    requests: Sequence[pb.PushPullRequest],
+    calls: Sequence[Sequence[grpc.UnaryUnaryMultiCallable]],
+    tensors: Sequence[QuantizedArray],
     steps: range,
-    processes: Sequence[psutil.Process],
-) -> tuple[float, list[float]]:
+    shards: Sequence[psutil.Process],
+) -> tuple[float, float, float]:
     """Run one round per step, back to back.
 
     Returns:
-        (wall seconds, CPU seconds of each of ``processes``) over all the rounds.
+        (wall seconds, CPU seconds of all ``shards``, CPU seconds of this process) over all the rounds.
     """
-    cpu_before = [_cpu_seconds(process) for process in processes]
+    client = psutil.Process()
+    shards_before, client_before = sum(_cpu_seconds(process) for process in shards), _cpu_seconds(client)
     start = time.perf_counter()
     for step in steps:
-        push_round(stubs, requests, step)
+        push_round(calls, tensors, step)
     seconds = time.perf_counter() - start
-    return seconds, [_cpu_seconds(process) - before for process, before in zip(processes, cpu_before, strict=True)]
+    shards_cpu = sum(_cpu_seconds(process) for process in shards) - shards_before
+    return seconds, shards_cpu, _cpu_seconds(client) - client_before
 
 
-def measure_config(bits: int, gradients: Sequence[np.ndarray], rounds: int) -> Row:
-    """Start a server, warm it up, time ``rounds`` rounds of ``len(gradients)`` ranks, stop it.
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One set of shards' timed rounds."""
+
+    seconds: float  # wall time of the timed rounds
+    server_cpu_s: float  # user + system CPU seconds of all shards
+    client_cpu_s: float  # the same for this process
+    baseline_rss: int  # the largest shard's RSS after the joins
+    warm_rss: int  # the largest shard's RSS after the warm-up rounds
+    peak_rss: int  # the largest RSS any shard reached
+    response_bytes: int  # one push's PushPullResponse
+
+
+def timed_shards(
+    tensors: Sequence[QuantizedArray],
+    shards: int,
+    rounds: int,
+    command: Callable[[int, Path], list[str]] | None = None,
+) -> Timed:
+    """Start ``shards`` servers, warm them up, time ``rounds`` rounds of ``len(tensors)`` ranks, stop them.
+
+    Args:
+        tensors: each rank's encoded bucket.
+        shards: server processes, each pushed one bucket per rank and round.
+        rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
+        command: the servers' argv (``running_server``); None runs gradq's aggregator, whose means are checked.
+    """
+    world_size = len(tensors)
+    with (
+        running_shards(world_size, shards, command) as servers,
+        rank_channels([server.address for server in servers], world_size) as channels,
+    ):
+        processes = [psutil.Process(server.popen.pid) for server in servers]
+        join_ranks(channels)
+        # No serializers: requests go as the client's bytes, answers come back as bytes.
+        calls = [[channel.unary_unary(PUSH_PULL) for channel in per_rank] for per_rank in channels]
+        baseline_rss = max(process.memory_info().rss for process in processes)
+        with PeakRssSampler(processes) as sampler:
+            for step in range(WARMUP_ROUNDS):
+                responses = push_round(calls, tensors, step)
+            if command is None:  # the floor answers a canned mean
+                for response in responses[0]:
+                    check_mean(response, tensors)
+            warm_rss = sampler.sample()
+            steps = range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds)
+            seconds, server_cpu_s, client_cpu_s = time_rounds(calls, tensors, steps, processes)
+    return Timed(seconds, server_cpu_s, client_cpu_s, baseline_rss, warm_rss, sampler.peak_bytes, len(responses[0][0]))
+
+
+def measure_config(bits: int, gradients: Sequence[np.ndarray], shards: int, rounds: int, floor: bool) -> Row:
+    """Time ``rounds`` rounds of ``len(gradients)`` ranks on ``shards`` aggregators, then (``floor``) on bare gRPC.
 
     Args:
         bits: bits per element, per-channel affine.
         gradients: one float32 bucket per rank.
+        shards: aggregator processes, each pushed one bucket per rank and round.
         rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
+        floor: also time the same pushes against ``serve_floor`` servers, right after.
 
     Returns:
         The configuration's row.
     """
-    world_size = len(gradients)
-    requests = build_requests(gradients, QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=bits))
-    with running_server(world_size) as server, rank_stubs(server.address, world_size) as stubs:
-        process = psutil.Process(server.popen.pid)
-        join_ranks(stubs)
-        baseline_rss = process.memory_info().rss
-        with PeakRssSampler(process) as sampler:
-            for step in range(WARMUP_ROUNDS):
-                responses = push_round(stubs, requests, step)
-            check_mean(responses[0], requests)
-            warm_rss = sampler.sample()
-            steps = range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds)
-            seconds, (server_cpu_s, client_cpu_s) = time_rounds(stubs, requests, steps, [process, psutil.Process()])
+    config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=bits)
+    tensors = [encode(bucket, config) for bucket in gradients]
+    gradq = timed_shards(tensors, shards, rounds)
+    bare = timed_shards(tensors, shards, rounds, _floor_command(bits, tensors[0].numel)) if floor else None
     return Row(
         bits=bits,
-        world_size=world_size,
-        numel=gradients[0].size,
+        world_size=len(tensors),
+        shards=shards,
+        numel=tensors[0].numel,
         rounds=rounds,
-        seconds=seconds,
-        wire_bytes=requests[0].ByteSize() + responses[0].ByteSize(),
-        baseline_rss=baseline_rss,
-        warm_rss=warm_rss,
-        peak_rss=sampler.peak_bytes,
-        server_cpu_s=server_cpu_s,
-        client_cpu_s=client_cpu_s,
+        seconds=gradq.seconds,
+        request_bytes=len(push_request(0, 0, WARMUP_ROUNDS + rounds, tensors[0])),
+        response_bytes=gradq.response_bytes,
+        baseline_rss=gradq.baseline_rss,
+        warm_rss=gradq.warm_rss,
+        peak_rss=gradq.peak_rss,
+        server_cpu_s=gradq.server_cpu_s,
+        client_cpu_s=gradq.client_cpu_s,
+        floor_cpu_s=bare.server_cpu_s if bare is not None else None,
     )
 
 
@@ -465,22 +650,27 @@ def client_round_trip_seconds(bucket: np.ndarray, config: QuantConfig) -> tuple[
 def format_table(rows: Sequence[Row]) -> str:
     """Render the rows as a markdown table."""
     lines = [
-        "| bits | W | rounds/s | GB/s fp32 aggregated | wire MB/worker/round (push+pull) | "
-        "server RSS before 1st push MB | RSS after warm-up MB | peak RSS MB | server CPU (cores) | "
-        "workers CPU (cores) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bits | W | shards | rounds/s | wire MB/push (in+out) | aggregator CPU ms/push | "
+        "**GB/s of wire per aggregator CPU-s** | bare gRPC floor ms/push | gradq's own ms/push | "
+        "GB/s of wire (wall) | GB/s fp32 aggregated | aggregator cores busy | workers cores busy | "
+        "RSS before 1st push MB | RSS after warm-up MB | peak RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        floor = row.floor_ms_per_push
+        floor_cells = "| - | - |" if floor is None else f"| {floor:.3f} | {row.cpu_ms_per_push - floor:.3f} |"
         lines.append(
-            f"| {row.bits} | {row.world_size} | {row.rounds_per_s:.2f} | {row.gbps:.2f} | {row.wire_bytes / MB:.2f} | "
-            f"{row.baseline_rss / MB:.0f} | {row.warm_rss / MB:.0f} | {row.peak_rss / MB:.0f} | "
-            f"{row.server_cores:.2f} | {row.client_cores:.2f} |"
+            f"| {row.bits} | {row.world_size} | {row.shards} | {row.rounds_per_s:.2f} | "
+            f"{(row.request_bytes + row.response_bytes) / MB:.3f} | {row.cpu_ms_per_push:.3f} | "
+            f"**{row.wire_gb_per_cpu_s:.3f}** {floor_cells} {row.wire_gbps:.3f} | {row.gbps:.2f} | "
+            f"{row.server_cores:.2f} | {row.client_cores:.2f} | {row.baseline_rss / MB:.0f} | "
+            f"{row.warm_rss / MB:.0f} | {row.peak_rss / MB:.0f} |"
         )
     return "\n".join(lines)
 
 
 def format_verdict(rows: Sequence[Row], encode_s: float, decode_s: float) -> str:
-    """Compare the server's W=4, 8-bit round rate with the rate one worker produces buckets at.
+    """Compare the server's W=4, 8-bit, 1-shard round rate with the rate one worker produces buckets at.
 
     Args:
         rows: measured rows.
@@ -494,15 +684,28 @@ def format_verdict(rows: Sequence[Row], encode_s: float, decode_s: float) -> str
     worker = (
         f"one worker: {worker_rate:.2f} buckets/s (encode {encode_s * 1e3:.2f} ms + decode {decode_s * 1e3:.2f} ms)"
     )
-    row = next((r for r in rows if (r.world_size, r.bits) == (4, 8)), None)
+    row = next((r for r in rows if (r.world_size, r.bits, r.shards) == (4, 8, 1)), None)
     if row is None:
-        return f"{worker}\nverdict: not measured (needs --workers 4 and --bits 8)"
+        return f"{worker}\nverdict: not measured (needs --workers 4, --bits 8 and --shards 1)"
     server = f"server: {row.rounds_per_s:.2f} rounds/s at W=4, 8-bit"
     if row.rounds_per_s > worker_rate:
         verdict = "aggregator not the bottleneck of a 4-worker job"
     else:
         verdict = "aggregator IS the bottleneck of a 4-worker job (it completes rounds slower than a worker codes)"
     return f"{server} | {worker}\nverdict: {verdict}"
+
+
+def format_target(rows: Sequence[Row]) -> str:
+    """One PASS/FAIL line per 4-bit row with 4 or more pushers against ``TARGET_GB_PER_CPU_S``."""
+    lines = []
+    for row in rows:
+        if row.bits == 4 and row.world_size >= 4:
+            verdict = "PASS" if row.wire_gb_per_cpu_s >= TARGET_GB_PER_CPU_S else "FAIL"
+            lines.append(
+                f"{verdict}: 4 bits, W={row.world_size}, {row.shards} shard(s): {row.wire_gb_per_cpu_s:.3f} GB/s of "
+                f"wire per aggregator CPU-second; target >= {TARGET_GB_PER_CPU_S:g}"
+            )
+    return "\n".join(lines) or f"target (>= {TARGET_GB_PER_CPU_S:g} GB/s per CPU-s at 4 bits, W >= 4): not measured"
 
 
 def _positive(text: str) -> int:
@@ -524,13 +727,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=_positive, nargs="+", default=[2, 4, 8, 16], help="world sizes W")
     parser.add_argument("--bits", type=_bits, nargs="+", default=[8, 4], help="bits per element, per-channel affine")
+    parser.add_argument("--shards", type=_positive, nargs="+", default=[1], help="aggregator processes S")
     parser.add_argument("--rounds", type=_positive, default=10, help=f"timed rounds after {WARMUP_ROUNDS} warm-up")
     parser.add_argument("--numel", type=_positive, default=BUCKET_NUMEL, help="float32 elements per bucket")
+    parser.add_argument(
+        "--floor", action="store_true", help="after each row, time the same pushes on bare gRPC-Python servers"
+    )
+    parser.add_argument("--serve-floor", type=_positive, metavar="WORLD_SIZE", help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
-    """Measure the worker-side cost, then every (bits, W) configuration, and print the report."""
+    """Measure the worker-side cost, then every (bits, W, S) configuration, and print the report."""
     numel = args.numel
     gradients = [
         np.random.default_rng(rank).normal(0, 1e-3, numel).astype(np.float32) for rank in range(max(args.workers))
@@ -538,21 +747,27 @@ def run(args: argparse.Namespace) -> None:
     encode_s, decode_s = client_round_trip_seconds(gradients[0], QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=8))
     print(
         f"# aggregator throughput: {numel:,} float32 elements per bucket ({numel * FP32_BYTES / MB:.1f} MB), "
-        f"per_channel_affine, {WARMUP_ROUNDS} warm-up + {args.rounds} timed rounds, server restarted per row, "
-        f"{os.cpu_count()} CPU cores shared by server and workers\n",
+        f"per_channel_affine, {WARMUP_ROUNDS} warm-up + {args.rounds} timed rounds, shards restarted per row, "
+        f"{os.cpu_count()} CPU cores shared by shards and workers\n",
         flush=True,
     )
     rows = []
     for bits in args.bits:
         for world_size in args.workers:
-            rows.append(measure_config(bits, gradients[:world_size], args.rounds))
-            print(f"measured bits={bits} W={world_size}", file=sys.stderr, flush=True)
+            for shards in args.shards:
+                rows.append(measure_config(bits, gradients[:world_size], shards, args.rounds, args.floor))
+                print(f"measured bits={bits} W={world_size} shards={shards}", file=sys.stderr, flush=True)
     print(format_table(rows), flush=True)
     print(
-        "\nGB/s = W x 4 B x numel x rounds / s (1e9 B). Wire MB = one rank's request + response protobuf bytes "
-        "(1e6 B). CPU = user+system seconds / wall seconds over the timed rounds, of the server process and of "
-        "this one (all W workers).\n"
+        "\nWire = each push's request + response protobuf bytes (1 MB = 1e6 B, 1 GB = 1e9 B), without gRPC/HTTP2 "
+        "framing. Aggregator CPU = user + system seconds of all shard processes over the timed rounds (process CPU "
+        "time, not wall time: the machine's cores are shared); GB/s of wire per aggregator CPU-s = wire bytes / "
+        "those seconds. Cores busy = CPU seconds / wall seconds, of the shards and of this process (all W workers). "
+        "GB/s fp32 = W x S x 4 B x numel x rounds / wall s. Bare gRPC floor (--floor): the same pushes, timed "
+        "right after, on grpc.aio servers that only park each round's calls and answer a canned mean; gradq's own "
+        "= aggregator - floor: parsing, checks, digest, round table, decode-accumulate, re-encode, hops.\n"
     )
+    print(format_target(rows))
     print(format_verdict(rows, encode_s, decode_s))
 
 
@@ -563,9 +778,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: command-line arguments; None reads ``sys.argv``.
 
     Returns:
-        0, or 130 when interrupted (the server is stopped either way).
+        0, or 130 when interrupted (the shards are stopped either way).
     """
     args = parse_args(argv)
+    if args.serve_floor is not None:
+        serve_floor(args.serve_floor, args.bits[0], args.numel, args.port_file)
+        return 0
     try:
         run(args)
     except KeyboardInterrupt:
