@@ -314,32 +314,63 @@ class RoundTable:
         if job.semi_sync is not None and self._merge_late(job, rnd, rank, tensor, non_finite):
             return
         with rnd.lock:
-            if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
-                raise FailedPreconditionError(
-                    f"{rnd.describe(job.job_id)} already counted a different bucket from rank={rank}; "
-                    f"a resend must carry the same content (retry with the original payload)"
-                )
-            if not rnd.done.is_set() and rank not in rnd.contributors:
-                ranks = job.members.ranks.get(rank, 1)
-                if not non_finite:
-                    last = self._completes(job, rnd.contributors | {rank})
-                    rnd.accumulate(tensor, last=last, ranks=rnd.ranks + ranks)
-                elif self.policy.non_finite == "reject":
-                    reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
-                    error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
-                    self._closer.fail(job, rnd, error, "non_finite")
-                    return
-                else:
-                    rnd.non_finite.add(rank)
-                rnd.contributors.add(rank)
-                rnd.ranks += ranks
-                rnd.digests[rank] = digest
-                rnd.arrivals[rank] = self._clock()
-                rnd.received_bytes += tensor.nbytes
-                if self._completes(job, rnd.contributors):
-                    self._closer.finish(job, rnd)
-                elif job.semi_sync is not None:
-                    self._start_grace(job, rnd)
+            self._add_locked(job, rnd, rank, tensor, non_finite, digest)
+
+    def try_add(self, ticket: RoundTicket, tensor: QuantizedArray) -> bool:
+        """``add`` a finite contribution at once if that can neither wait nor finish the round; whether it did.
+
+        For the event loop, which must not block: it gives up (returns False,
+        nothing changed) when the round's lock is held, when this contribution
+        would complete the round (averaging and re-encoding it take a
+        millisecond or more, and the job's feedback lock), when it is a resend
+        or its round is done (``add`` answers those), and for semi-synchronous
+        jobs (a late push takes the job table's lock and may close rounds).
+        The caller then runs ``add`` on a pool thread.
+
+        Raises:
+            Nothing ``add`` would not: a contribution it takes is new, so no digest can disagree.
+        """
+        job, rnd, rank = ticket.job, ticket.round, ticket.rank
+        if job.semi_sync is not None or not rnd.lock.acquire(blocking=False):
+            return False
+        try:
+            if rnd.done.is_set() or rank in rnd.contributors or self._completes(job, rnd.contributors | {rank}):
+                return False
+            self._add_locked(job, rnd, rank, tensor, False, contribution_digest(tensor, False))
+            return True
+        finally:
+            rnd.lock.release()
+
+    def _add_locked(
+        self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, digest: int
+    ) -> None:
+        """``add``'s work under ``rnd.lock``: refuse a changed resend, count a new contribution, finish if last."""
+        if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
+            raise FailedPreconditionError(
+                f"{rnd.describe(job.job_id)} already counted a different bucket from rank={rank}; "
+                f"a resend must carry the same content (retry with the original payload)"
+            )
+        if not rnd.done.is_set() and rank not in rnd.contributors:
+            ranks = job.members.ranks.get(rank, 1)
+            if not non_finite:
+                last = self._completes(job, rnd.contributors | {rank})
+                rnd.accumulate(tensor, last=last, ranks=rnd.ranks + ranks)
+            elif self.policy.non_finite == "reject":
+                reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
+                error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
+                self._closer.fail(job, rnd, error, "non_finite")
+                return
+            else:
+                rnd.non_finite.add(rank)
+            rnd.contributors.add(rank)
+            rnd.ranks += ranks
+            rnd.digests[rank] = digest
+            rnd.arrivals[rank] = self._clock()
+            rnd.received_bytes += tensor.nbytes
+            if self._completes(job, rnd.contributors):
+                self._closer.finish(job, rnd)
+            elif job.semi_sync is not None:
+                self._start_grace(job, rnd)
 
     def _start_grace(self, job: Job, rnd: Round) -> None:
         """Semi-synchronous: once a quorum has pushed, the round waits ``grace_s`` more. Holds ``rnd.lock``."""

@@ -22,6 +22,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantizedArray
 from gradq.server import outer_service, serde
 from gradq.server.auth import check_scope, scoped_rank
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
@@ -39,11 +40,18 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 
 T = TypeVar("T")
 
-# Requests up to this size are parsed on the event loop (tens of microseconds); larger ones on the pool.
-# Decoding stays on the pool whatever the size: on the loop it would cost less CPU (no hop to a
-# thread and back), but a decode that is slow once (the kernels' first load, seconds) or waits for
-# a round's lock would stall every other call, refusals and watches included.
-_ON_LOOP_BYTES = 1 << 20
+# Requests up to this size are parsed on the event loop (tens of microseconds: the checks cost per
+# channel, not per element); larger ones on the pool. 4 MiB holds a 2^22-element 4-bit push and a
+# 2^21-element 8-bit one with their qparams.
+_ON_LOOP_BYTES = 4 << 20
+# A contribution of up to this many elements is decoded into its round on the event loop (about
+# 0.1-0.3 ms per 2^20 elements, less than gRPC's own work for the call), saving the hop to a
+# pool thread and back (a thread woken, then the loop through its self-pipe: measured as about a
+# fifth of the aggregator's CPU per push at 2^20 elements). Only when that cannot stall the other
+# calls (RoundTable.try_add): not a round's last contribution (its re-encode goes to the pool), not
+# while a pool thread holds the round's lock, and not a grid whose kernels have not yet run in
+# this process (their first load takes seconds).
+_ON_LOOP_ELEMENTS = 1 << 21
 # How long a push refused for want of memory or open rounds waits for its answer (bench/abuse.py).
 _REFUSAL_PAUSE_S = 0.1
 
@@ -61,6 +69,37 @@ class RawRequest:
         return data
 
 
+class LoopWakeups:
+    """Carries wake-ups from other threads to one event loop, one ``call_soon_threadsafe`` per batch.
+
+    A round finished on a pool thread wakes each of its W waiting calls; one
+    self-pipe write (and loop wake-up) for all of them instead of one each.
+    """
+
+    __slots__ = ("_lock", "_loop", "_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[LoopWaker] = []
+
+    def post(self, waker: LoopWaker) -> None:
+        """Have ``waker.wake()`` run on the loop soon (from any thread but the loop's)."""
+        with self._lock:
+            self._pending.append(waker)
+            first = len(self._pending) == 1
+        if first:  # later posts ride on the batch already scheduled, until it runs
+            # A closed loop raises RuntimeError: the server has stopped and its calls are gone.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for waker in pending:
+            waker.wake()
+
+
 class LoopWaker:
     """Wakes a call waiting on the event loop; a round sets it from whichever thread finished it.
 
@@ -68,20 +107,18 @@ class LoopWaker:
     ``wait_for``: no task and no extra callbacks per waiting call.
     """
 
-    __slots__ = ("_loop", "_thread", "woken")
+    __slots__ = ("_thread", "_wakeups", "woken")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, wakeups: LoopWakeups) -> None:
         self._thread = threading.get_ident()
+        self._wakeups = wakeups
         self.woken: asyncio.Future[None] = loop.create_future()
 
     def set(self) -> None:
         if threading.get_ident() == self._thread:
             self.wake()  # the round finished on the loop: no self-pipe write needed
             return
-        # A closed loop raises RuntimeError: the server has stopped and its calls are gone.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.wake)
+        self._wakeups.post(self)
 
     def wake(self) -> None:
         """Resolve ``woken`` (on the loop's thread); later calls do nothing."""
@@ -93,9 +130,11 @@ class AggregatorServicer:
     """Thin: every method is decode -> RoundTable -> encode, on grpc.aio's event loop.
 
     Checks that can refuse a push run on the loop, without a pass over its
-    payload. Work that takes the round locks (joining, decoding and
-    accumulating a push, averaging, leaving) runs on the loop's default
-    executor, a small thread pool (see ``_ON_LOOP_BYTES``); a PushPull then waits for its round as a
+    payload. Work that may wait for a round's lock or run long (joining,
+    averaging and re-encoding a round, leaving, a push's first decode of its
+    grid) runs on the loop's default executor, a small thread pool; a push
+    that can neither wait nor finish its round is decoded into it on the loop
+    (see ``_ON_LOOP_BYTES`` and ``_ON_LOOP_ELEMENTS``). A PushPull then waits for its round as a
     coroutine, so a parked call costs no thread. The calls are capped (``WaitingCalls``)
     for their memory. ``asyncio.to_thread`` carries the call's token scope
     into the pool.
@@ -130,6 +169,11 @@ class AggregatorServicer:
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, known from the first Watch
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
+        # (scheme, bits) of the pushes a pool thread has decoded: their kernels are loaded in this process.
+        self._warm_grids: set[tuple[int, int]] = set()
+        # Wake-ups of waiting PushPulls from pool threads, batched per loop (made on the loop, in ``_wait``).
+        self._wakeups: LoopWakeups | None = None
+        self._wakeups_loop: asyncio.AbstractEventLoop | None = None
 
     async def Join(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.join_from_bytes, raw.take())
@@ -171,13 +215,22 @@ class AggregatorServicer:
         try:
             # Every check that can refuse runs here on the loop; only admitted pushes reach the pool.
             ticket = await self._admit(contribution, context)
-            await _in_pool(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
+            if not self._added_on_loop(ticket, contribution):
+                await _in_pool(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
+                self._warm_grids.add(_grid_of(contribution.tensor))
             del contribution  # accumulated: nothing of the payload need outlive the push
             result = await self._wait(ticket, context)
         finally:
             self.waiting.release(job_id, peer)
         assert isinstance(result.packaged, bytes), "the table packages every result"
         return result.packaged
+
+    def _added_on_loop(self, ticket: RoundTicket, contribution: serde.Contribution) -> bool:
+        """Whether the contribution went into its round here on the loop (see ``_ON_LOOP_ELEMENTS``)."""
+        tensor = contribution.tensor
+        if contribution.non_finite or tensor.numel > _ON_LOOP_ELEMENTS or _grid_of(tensor) not in self._warm_grids:
+            return False
+        return self.table.try_add(ticket, tensor)
 
     async def _admit(self, contribution: serde.Contribution, context: grpc.aio.ServicerContext) -> RoundTicket:
         """The push's round, or the call's refusal."""
@@ -207,7 +260,9 @@ class AggregatorServicer:
         stays counted.
         """
         loop = asyncio.get_running_loop()
-        waker = LoopWaker(loop)
+        if self._wakeups is None or self._wakeups_loop is not loop:
+            self._wakeups, self._wakeups_loop = LoopWakeups(loop), loop
+        waker = LoopWaker(loop, self._wakeups)
         timeout = self.table.watch(ticket, waker)
         if timeout is not None:
             deadline = loop.call_later(timeout, waker.wake)  # then ``answer`` closes the round
@@ -334,6 +389,11 @@ class AggregatorServicer:
         await _call(context, check_scope, request.job_id, request.rank)
         await _in_pool(context, self.table.leave, request.job_id, request.rank, request.incarnation)
         return pb.LeaveResponse().SerializeToString()
+
+
+def _grid_of(tensor: QuantizedArray) -> tuple[int, int]:
+    """What picks a contribution's decoding kernels: its scheme and bits."""
+    return int(tensor.scheme), tensor.bits
 
 
 def package_result(result: RoundResult) -> bytes:
