@@ -222,9 +222,10 @@ class Codec(ABC):
                 f"({per}, {channels} channels)"
             )
         scales = np.frombuffer(scale, "<f4")
-        bad_scale = ~(np.isfinite(scales) & (scales > 0))
-        if bad_scale.any():
-            index = int(np.flatnonzero(bad_scale)[0])
+        # Two reductions and no temporaries on the aggregator's path (a NaN fails both comparisons);
+        # the elementwise test only runs to name the first bad scale.
+        if scales.size and not (scales.min() > 0 and scales.max() < np.inf):
+            index = int(np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))[0])
             raise ValueError(f"{field}.scale[{index}]={float(scales[index])} is invalid; expected a finite number > 0")
         zero_points = np.frombuffer(zero_point, "<i4")
         levels = np.frombuffer(payload, np.uint8)
