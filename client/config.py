@@ -116,8 +116,6 @@ class GradqConfig:
             raise ValueError(f"elastic_hosts={hosts!r} is invalid; expected 0 (a fixed job) or hosts >= 1")
         if hosts and self.job_id is None:
             raise ValueError("elastic_hosts needs job_id: independent hosts find their job by it")
-        if hosts and len(addresses) != 1:
-            raise ValueError(f"addresses={list(addresses)!r}: an elastic job runs on one aggregator shard")
         cap = self.elastic_max_hosts
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0 or (cap and cap < max(hosts, 1)):
             raise ValueError(

@@ -137,10 +137,6 @@ class WorkerClient:
             raise ValueError(f"addresses={addresses!r} is invalid; expected one or more 'host:port' strings")
         if world_size < 1:
             raise ValueError(f"world_size={world_size} is invalid; expected >= 1")
-        if elastic and len(self.addresses) != 1:
-            raise ValueError(
-                f"addresses={self.addresses!r}: an elastic job runs on one aggregator shard; expected one address"
-            )
         if not elastic and not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is out of range; expected 0..{world_size - 1}")
         if not timeout_s > 0:
@@ -163,7 +159,9 @@ class WorkerClient:
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
-        self.incarnation = incarnation
+        # Each shard's run of the job: one for all in a fixed job; an elastic job's run on each shard is the
+        # one its first member started there (a Join into a live elastic run adopts it), so they may differ.
+        self.incarnations = [incarnation] * len(self.addresses)
         self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
@@ -254,12 +252,23 @@ class WorkerClient:
     def _rejoin_shard(self, shard: int) -> None:
         self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
 
+    @property
+    def incarnation(self) -> str:
+        """The run of the job joined (on the first shard; see ``incarnations``)."""
+        return self.incarnations[0]
+
+    @incarnation.setter
+    def incarnation(self, incarnation: str) -> None:
+        self.incarnations = [incarnation] * len(self.addresses)
+
     def _join_shard(self, shard: int, patience: float | None = None) -> None:
+        """Join ``shard``. An elastic member joins the first shard first, which gives it its id (and its run
+        there); the other shards follow that id, and each gives its own run."""
         request = serde.join_request(
             self.job_id,
             self.rank,
             self.world_size,
-            self.incarnation,
+            self.incarnations[shard],
             self.ranks,
             self.elastic,
             self.job_ranks or 0,
@@ -273,9 +282,18 @@ class WorkerClient:
             response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
             raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
-        if self.elastic:  # the member id and run the aggregator gave this member
-            self.rank, self.incarnation, self.catch_up = response.rank, response.incarnation, response.catch_up
+        if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
+            self.rank, self.catch_up = response.rank, response.catch_up
             self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, self.rank])
+        elif self.elastic and response.rank != self.rank:
+            raise AggregationError(
+                self.addresses[shard],
+                None,
+                f"joined as member {response.rank}, not {self.rank} as on {self.addresses[0]}; every shard of an "
+                f"elastic job must hold the same members",
+            )
+        if self.elastic:
+            self.incarnations[shard] = response.incarnation
         self._joined[shard] = True
         self.joins += 1
         self._watch(shard)
@@ -289,11 +307,11 @@ class WorkerClient:
         watching = self._watches[shard]
         if watching is not None and not watching.done():
             return
-        request = serde.watch_request(self.job_id, self.rank, self.incarnation)
+        request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
         call = self._stubs[shard].Watch(request, metadata=self._metadata)
         call.add_done_callback(lambda done: self._watch_ended(shard, done))
         self._watches[shard] = call
-        if self.elastic:  # the stream carries the job's membership news: read it as it comes
+        if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
             threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
 
     def _watch_ended(self, shard: int, call: Any) -> None:
@@ -350,10 +368,23 @@ class WorkerClient:
         Raises:
             AggregationError: refused, the sender went away, or the deadline passed.
         """
-        request = serde.state_request(self.job_id, self.rank, self.incarnation)
-        received = fetch_state(self._stubs[0], self.addresses[0], request, self.timeout_s, self._metadata)
+
+        def fetch(shard: int) -> ReceivedState:
+            request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
+            return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
+
+        # Pending on every shard: the first sends the state, each other one an empty transfer that admits
+        # this member there from the same step (see ``send_state``).
+        with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
+            transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
+            received = [transfer.result() for transfer in transfers]
+        steps = {state.step for state in received}
+        if len(steps) != 1:
+            raise AggregationError(
+                self.addresses[0], None, f"the shards admitted this member at different steps {sorted(steps)}"
+            )
         self.catch_up = False
-        return received
+        return received[0]
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
         """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
@@ -361,7 +392,12 @@ class WorkerClient:
         Raises:
             AggregationError: the joiner is not waiting (or went away), or the aggregator could not be reached.
         """
-        header = serde.state_chunk(self.job_id, self.rank, self.incarnation, joiner, step, 0, b"")
+        # The other shards first, with nothing: each admits the joiner from ``step`` on, before this member
+        # pushes any of that step there, so none of those rounds can complete without it (as on the first).
+        for shard in range(1, len(self._stubs)):
+            header = serde.state_chunk(self.job_id, self.rank, self.incarnations[shard], joiner, step, 0, b"")
+            send_state(self._stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
+        header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
         return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
 
     def seed_outer(
@@ -402,9 +438,9 @@ class WorkerClient:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
         for pending in self._sender.window.close():
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
-        request = serde.leave_request(self.job_id, self.rank, self.incarnation)
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
+                request = serde.leave_request(self.job_id, self.rank, self.incarnations[shard])
                 try:
                     stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
                 except grpc.RpcError as error:
@@ -625,7 +661,7 @@ class WorkerClient:
         if not self._joined[shard]:
             self._join_shard(shard)
         pending.request = serde.push_pull_request(
-            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnation
+            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnations[shard]
         )
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gradq.client.apps.elastic_training import ElasticSpec, ElasticStep, train_elastic
+from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.config import GradqConfig
 from gradq.qcore import QuantConfig
 
@@ -36,7 +37,9 @@ from gradq.qcore import QuantConfig
 def main() -> None:
     """Parse the flags, train this host, print (and report) its result."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--aggregator", required=True, help="host:port of the aggregator")
+    parser.add_argument(
+        "--aggregator", required=True, help="host:port of the aggregator (several shards: comma-separated, in order)"
+    )
     parser.add_argument("--job-id", required=True, help="the job every host of the run shares")
     parser.add_argument("--hosts", type=int, required=True, help="hosts the job starts with")
     parser.add_argument("--steps", type=int, default=200, help="train until this step")
@@ -45,6 +48,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the same on every host")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to pause after each step")
     parser.add_argument("--hidden", type=int, default=64, help="the MLP's width: the same on every host")
+    parser.add_argument(
+        "--chunk-elements", type=int, default=DEFAULT_CHUNK_ELEMENTS, help="a bucket above this travels in chunks"
+    )
     parser.add_argument("--report", type=Path, help="append JSON lines: one per step, then the result")
     parser.add_argument(
         "--join-when", type=Path, help="a standby host: load everything, then join once this file exists"
@@ -60,11 +66,12 @@ def main() -> None:
         write("step", step)
 
     gradq = GradqConfig.of(
-        args.aggregator,
+        args.aggregator.split(","),
         QuantConfig(bits=args.bits),
         error_feedback=args.error_feedback,
         job_id=args.job_id,
         elastic_hosts=args.hosts,
+        chunk_elements=args.chunk_elements,
     )
     spec = ElasticSpec(
         gradq,

@@ -163,6 +163,11 @@ class DiLoCo:
                 "outer_step='hosts' with an FSDP2 model: its ranks hold shards, which a host-side torch optimizer "
                 "would step apart; use outer_step='aggregator' (the default)"
             )
+        if outer_step == "aggregator" and len(config.addresses) > 1:
+            raise ValueError(
+                f"addresses={list(config.addresses)!r}: the outer step on the aggregator runs on one shard; "
+                f"name one address, or use outer_step='hosts' to average over several"
+            )
         if outer_step == "aggregator" and config.bit_policy == "adaptive":
             raise ValueError(
                 "bit_policy='adaptive' plans new round keys every step; the aggregator's copy of the global "

@@ -67,6 +67,9 @@ def start_host(
     command += ["--aggregator", address, "--job-id", job_id, "--hosts", str(hosts)]
     command += ["--steps", str(steps), "--step-sleep", str(step_sleep_s), "--report", str(report)]
     command += ["--hidden", str(hidden)]
+    # On several shards, the model's one bucket travels in chunks, which take turns over the shards: every
+    # shard then carries rounds (and its membership matters), not the first alone.
+    command += ["--chunk-elements", "1024"] if "," in address else []
     command += ["--join-when", str(join_when)] if join_when is not None else []
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

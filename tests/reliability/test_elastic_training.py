@@ -48,7 +48,19 @@ def address() -> Iterator[str]:
     process.wait()
 
 
-def test_survivors_train_on_and_a_replacement_catches_up_bit_for_bit(address: str, tmp_path: Path) -> None:
+@pytest.fixture(params=[1, 2], ids=["one-shard", "two-shards"])
+def addresses(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One aggregator, or two shards: an elastic job's membership then agrees across them."""
+    ports = [free_port() for _ in range(request.param)]
+    processes = [spawn_aggregator("--log-level", "WARNING", port=port)[0] for port in ports]
+    yield ",".join(f"127.0.0.1:{port}" for port in ports)
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def test_survivors_train_on_and_a_replacement_catches_up_bit_for_bit(addresses: str, tmp_path: Path) -> None:
+    address = addresses
     hosts = [start_host(address, "elastic", HOSTS, STEPS, tmp_path / f"host{i}.jsonl", STEP_SLEEP_S) for i in range(3)]
     # The replacement starts now, kept warm (torch loaded, model built), and joins at step ~40.
     go = tmp_path / "join"
@@ -135,8 +147,9 @@ def _step(record: dict[str, float]) -> float:
 
 
 def test_a_stopped_host_is_dropped_within_seconds_and_rejoins_by_itself_when_it_comes_back(
-    address: str, tmp_path: Path
+    addresses: str, tmp_path: Path
 ) -> None:
+    address = addresses
     # A SIGSTOP stands for a hung driver, a frozen VM or a partition: the process keeps its connections open
     # but answers nothing, HTTP/2 pings included. The aggregator's keepalive finds it and drops it. Back after
     # 10 s, it finds itself dropped, joins again as a joiner and takes the state from a live host.

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from conditions import wait_until
 from conftest import StartAggregator
 
 from gradq.client import AggregationError, WorkerClient
@@ -22,6 +23,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.outer_service import AGGREGATOR_SENDER
 from gradq.server.outer_state import OuterState
 from gradq.server.policy import RoundPolicy
+from gradq.server.state_relay import RELAY_BYTES
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 STEP = OuterStep(lr=0.7, momentum=0.9, nesterov=True)
@@ -115,6 +117,7 @@ def test_the_aggregator_steps_the_global_state_and_a_joiner_receives_it_with_no_
     joiner = host()
     assert joiner.catch_up
     fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    wait_until(lambda: server.table.budget.in_use >= RELAY_BYTES, "the joiner to wait for the state", 5.0)
     pseudo = [values(1), values(2)]
     with ThreadPoolExecutor(2) as pool:
         means = [pool.submit(c.push_pull, 0, 0, p) for c, p in zip((first, second), pseudo, strict=True)]

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from conditions import wait_until
 from conftest import StartAggregator
 
 from gradq.client import AggregationError, WorkerClient
@@ -19,6 +20,7 @@ from gradq.qcore.outer_step import OuterStep, take_outer_step
 from gradq.server.app import AggregatorServer
 from gradq.server.outer_service import AGGREGATOR_SENDER
 from gradq.server.policy import RoundPolicy
+from gradq.server.state_relay import RELAY_BYTES
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 STEP = OuterStep()
@@ -75,6 +77,7 @@ def test_a_round_closes_on_its_quorum_and_the_late_push_is_merged_into_the_next(
         slow.push_pull(0, 0, ones(9.0))
     assert server.table.budget.in_use == held + 256 * 4  # its push waits in the key's late stash
     fetched = ThreadPoolExecutor(1).submit(slow.fetch_state)  # pending: the next boundary sends it the state
+    wait_until(lambda: server.table.budget.in_use >= held + RELAY_BYTES, "the late host to wait for the state", 5.0)
     with ThreadPoolExecutor(2) as pool:  # round 1 no longer waits for it, and counts its late push as a member's
         means = [pool.submit(m.push_pull, 1, 0, ones(3.0)) for m in fast]
         assert [f.result(timeout=5).tolist() for f in means] == [[5.0] * 256] * 2  # (3 + 3 + 9) / 3
