@@ -208,6 +208,8 @@ class WorkerClient:
         ]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self._joined = [False] * len(self.addresses)
+        if hasattr(self, "incarnations"):  # the group learned from one shard: each new shard starts with its run
+            self.incarnations = [self.incarnations[0]] * len(self.addresses)
         # One Watch stream per shard, held open while joined (see gradq.server.liveness).
         self._watches: list[Any] = [None] * len(self.addresses)
         timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
@@ -331,7 +333,12 @@ class WorkerClient:
         if cut and not self.elastic:
             threading.Thread(target=self._rejoin_after_cut, args=(shard,), name="gradq-rejoin", daemon=True).start()
             return
-        # OK: the aggregator stopped; CANCELLED: we closed.
+        if code == grpc.StatusCode.OK and self._watches[shard] is call:
+            # The aggregator stopped (it ends every Watch with OK): whatever comes back on that address holds no
+            # job of ours, so the next push joins it first, as the same member, instead of being refused.
+            self._joined[shard] = False
+            return
+        # CANCELLED: we closed.
         if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
             log.warning(
                 "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",

@@ -35,7 +35,6 @@ def test_replace_checks_the_copy_again() -> None:
         ({"chunk_elements": -1}, "chunk_elements=-1 is invalid; expected an integer >= 0"),
         ({"max_in_flight": 0}, "max_in_flight=0 is invalid"),
         ({"elastic_hosts": 2}, "elastic_hosts needs job_id"),
-        ({"elastic_hosts": 2, "job_id": "j", "addresses": ("a:1", "b:2")}, "an elastic job runs on one aggregator"),
         ({"elastic_hosts": 2, "job_id": "j", "fallback": "allreduce"}, "an elastic host cannot fall back"),
         (
             {"elastic_hosts": 3, "job_id": "j", "elastic_max_hosts": 2},
