@@ -363,7 +363,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         parser.error("no world size: give --world-size N or GRADQ_WORLD_SIZE=N, the number of workers (>= 1)")
     gradq = _gradq_config(parser, args, aggregators)
     discovery = PeerDiscovery(args.peers, args.world_size, args.peer_timeout, args.peer_settle)
-    verdict: list[int] = []  # 0 or 1 once this rank has its result
+    verdict: list[int] = []  # 0 or 1 once this rank has its result; 2 once it has reported a bad setting
 
     def stopped_status() -> int:
         # Stopped by SIGTERM: the verdict if there is one; a surplus worker's configuration error; else 143.
@@ -378,6 +378,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         rank, master = discovery.wait()
     except RuntimeError as error:
+        # Reported here, once: a SIGTERM while this process exits (Compose stops the others as the first
+        # fails) must end it with the same status and not print the error a second time.
+        verdict.append(2)
         parser.error(str(error))
     print(
         f"rank {rank} of {args.world_size}; rendezvous {master}:{args.master_port}; waiting up to "
