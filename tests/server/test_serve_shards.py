@@ -221,11 +221,23 @@ def test_the_health_check_under_gradq_shards_checks_every_shard(shards: Shards) 
     assert half.stdout.splitlines()[1].startswith(f"localhost:{nobody}: not serving; nothing accepts connections")
 
 
+def a_port_whose_neighbour_is_held() -> tuple[int, socket.socket]:
+    """A free port and a socket of this process listening on the next one (a port in use for the second shard)."""
+    while True:
+        port = a_free_port_and_its_neighbour()
+        holder = socket.socket()
+        try:  # the neighbour may be some connection's local port, or in TIME_WAIT: then another pair
+            holder.bind(("127.0.0.1", port + 1))
+            holder.listen()
+        except OSError:
+            holder.close()
+            continue
+        return port, holder
+
+
 def test_a_shard_that_cannot_start_stops_the_others_and_the_parent_exits_with_its_status() -> None:
-    port = a_free_port_and_its_neighbour()
-    with socket.socket() as holder:  # the second shard's port is taken
-        holder.bind(("127.0.0.1", port + 1))
-        holder.listen()
+    port, holder = a_port_whose_neighbour_is_held()
+    with holder:
         completed = subprocess.run(
             [sys.executable, "-m", "gradq.server", "--host", "127.0.0.1", "--shards", "2", "--port", str(port)],
             capture_output=True,
