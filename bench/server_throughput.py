@@ -54,6 +54,7 @@ for _variable in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OP
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -62,7 +63,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import TracebackType  # noqa: E402
@@ -71,6 +72,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+from gradq.client.push_stream import PushStream, StreamedReply  # noqa: E402
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto  # noqa: E402
 from gradq.proto.transport import channel_options, keep_large_buffers  # noqa: E402
 from gradq.proto.v1 import aggregator_pb2 as pb  # noqa: E402
@@ -93,6 +95,8 @@ SERVER_GRACE_S = 2.0  # the server's own --grace: rounds are normally all answer
 TARGET_GB_PER_CPU_S = 1.0
 MEAN_TOLERANCE_STEPS = 1.0  # the returned mean may be off the exact mean by at most one grid step
 PUSH_PULL = "/gradq.v1.Aggregator/PushPull"
+PUSH_PULL_STREAM = "/gradq.v1.Aggregator/PushPullStream"
+TRANSPORTS = ("stream", "unary")
 MB = 1e6
 GB = 1e9
 MS = 1e3
@@ -103,6 +107,7 @@ class Row:
     """One (bits, W, S) configuration's measurements."""
 
     bits: int  # bits per element of the pushed buckets (and of the mean sent back)
+    transport: str  # "stream": one PushPullStream per rank and shard; "unary": a PushPull call per push
     world_size: int  # ranks pushing every round
     shards: int  # aggregator processes; every rank pushes one bucket to each every round
     numel: int  # float32 elements per bucket
@@ -367,12 +372,36 @@ async def _serve_floor(world_size: int, answer: bytes, joined: bytes, port_file:
         await future
         return answer
 
+    async def push_pull_stream(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        # As gradq's: a task per push read, answers written as their rounds finish, each naming its sequence.
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def one(request: bytes) -> None:
+            sequence = parse_with_tensor(request, pb.PushPullRequest, "tensor")[0].sequence
+            await push_pull(request, context)
+            answers.put_nowait(answer + pb.PushPullResponse(sequence=sequence).SerializeToString())
+
+        async def read() -> None:
+            tasks = [asyncio.create_task(one(request)) async for request in requests]
+            await asyncio.gather(*tasks)
+            answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (data := await answers.get()) is not None:
+                yield data
+        finally:
+            reader.cancel()
+
     def join(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return joined
 
     server = grpc.aio.server(options=channel_options())
     handlers = {
         "PushPull": grpc.unary_unary_rpc_method_handler(push_pull),
+        "PushPullStream": grpc.stream_stream_rpc_method_handler(push_pull_stream),
         "Join": grpc.unary_unary_rpc_method_handler(join),
     }
     service = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
@@ -447,18 +476,58 @@ def join_ranks(channels: Sequence[Sequence[grpc.Channel]]) -> None:
 
 
 def push_request(rank: int, shard: int, step: int, tensor: QuantizedArray) -> bytes:
-    """Rank ``rank``'s push of ``tensor`` to ``shard`` (bucket key = shard) for ``step``, as the client builds it."""
-    header = pb.PushPullRequest(job_id=JOB_ID, step=step, bucket=shard, rank=rank)
+    """Rank ``rank``'s push of ``tensor`` to ``shard`` (bucket key = shard) for ``step``, as the client builds it.
+
+    The step is the push's sequence too: a rank has one push per shard and step.
+    """
+    header = pb.PushPullRequest(job_id=JOB_ID, step=step, bucket=shard, rank=rank, sequence=step)
     return serialize_with_tensor(header, "tensor", tensor)
 
 
-def push_round(
-    calls: Sequence[Sequence[grpc.UnaryUnaryMultiCallable]], tensors: Sequence[QuantizedArray], step: int
-) -> list[list[bytes]]:
+class UnaryPush:
+    """One rank's pushes to one shard as unary PushPull calls."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._call = channel.unary_unary(PUSH_PULL)  # no serializers: bytes both ways
+
+    def push(self, request: bytes, sequence: int) -> concurrent.futures.Future[bytes]:
+        future: concurrent.futures.Future[bytes] = self._call.future(request, timeout=CALL_TIMEOUT_S)
+        return future
+
+    def close(self) -> None:
+        """The channel's close ends the calls."""
+
+
+class StreamPush:
+    """One rank's pushes to one shard as the messages of one PushPullStream: the client's own transport."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._stream = PushStream(channel.stream_stream(PUSH_PULL_STREAM), CALL_TIMEOUT_S)
+
+    def push(self, request: bytes, sequence: int) -> concurrent.futures.Future[bytes]:
+        done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+        def settle(reply: StreamedReply) -> None:
+            if reply.code() == grpc.StatusCode.OK:
+                done.set_result(reply.result())
+            else:
+                done.set_exception(RuntimeError(f"push {sequence}: {reply.code()}: {reply.details()}"))
+
+        self._stream.send(request, sequence).add_done_callback(settle)
+        return done
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+Pusher = UnaryPush | StreamPush
+
+
+def push_round(calls: Sequence[Sequence[Pusher]], tensors: Sequence[QuantizedArray], step: int) -> list[list[bytes]]:
     """Push every rank's bucket to every shard for ``step`` at once and wait for all the means.
 
     Args:
-        calls: ``calls[rank][shard]``, raw-bytes PushPull callables.
+        calls: ``calls[rank][shard]``, each rank's pushes to each shard.
         tensors: each rank's encoded bucket.
         step: the round's step.
 
@@ -473,14 +542,11 @@ def push_round(
     with interrupt_deferred():
         for rank, (per_rank, tensor) in enumerate(zip(calls, tensors, strict=True)):
             futures.append(
-                [
-                    call.future(push_request(rank, shard, step, tensor), timeout=CALL_TIMEOUT_S)
-                    for shard, call in enumerate(per_rank)
-                ]
+                [call.push(push_request(rank, shard, step, tensor), step) for shard, call in enumerate(per_rank)]
             )
-    responses = [[future.result() for future in per_rank] for per_rank in futures]
-    for per_rank in responses:
-        for data in per_rank:
+    responses = [[future.result() for future in rank_futures] for rank_futures in futures]
+    for rank_responses in responses:
+        for data in rank_responses:
             response, _ = parse_with_tensor(data, pb.PushPullResponse, "mean")  # the payload stays unparsed
             if response.partial or response.contributors != len(tensors):
                 raise RuntimeError(
@@ -519,7 +585,7 @@ def _cpu_seconds(process: psutil.Process) -> float:
 
 
 def time_rounds(
-    calls: Sequence[Sequence[grpc.UnaryUnaryMultiCallable]],
+    calls: Sequence[Sequence[Pusher]],
     tensors: Sequence[QuantizedArray],
     steps: range,
     shards: Sequence[psutil.Process],
@@ -556,6 +622,7 @@ def timed_shards(
     tensors: Sequence[QuantizedArray],
     shards: int,
     rounds: int,
+    transport: str,
     command: Callable[[int, Path], list[str]] | None = None,
 ) -> Timed:
     """Start ``shards`` servers, warm them up, time ``rounds`` rounds of ``len(tensors)`` ranks, stop them.
@@ -564,6 +631,7 @@ def timed_shards(
         tensors: each rank's encoded bucket.
         shards: server processes, each pushed one bucket per rank and round.
         rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
+        transport: "stream" or "unary" (see ``Row.transport``).
         command: the servers' argv (``running_server``); None runs gradq's aggregator, whose means are checked.
     """
     world_size = len(tensors)
@@ -573,26 +641,35 @@ def timed_shards(
     ):
         processes = [psutil.Process(server.popen.pid) for server in servers]
         join_ranks(channels)
-        # No serializers: requests go as the client's bytes, answers come back as bytes.
-        calls = [[channel.unary_unary(PUSH_PULL) for channel in per_rank] for per_rank in channels]
+        # Requests go as the client's bytes, answers come back as bytes.
+        pusher = StreamPush if transport == "stream" else UnaryPush
+        calls = [[pusher(channel) for channel in per_rank] for per_rank in channels]
         baseline_rss = max(process.memory_info().rss for process in processes)
-        with PeakRssSampler(processes) as sampler:
-            for step in range(WARMUP_ROUNDS):
-                responses = push_round(calls, tensors, step)
-            if command is None:  # the floor answers a canned mean
-                for response in responses[0]:
-                    check_mean(response, tensors)
-            warm_rss = sampler.sample()
-            steps = range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds)
-            seconds, server_cpu_s, client_cpu_s = time_rounds(calls, tensors, steps, processes)
+        try:
+            with PeakRssSampler(processes) as sampler:
+                for step in range(WARMUP_ROUNDS):
+                    responses = push_round(calls, tensors, step)
+                if command is None:  # the floor answers a canned mean
+                    for response in responses[0]:
+                        check_mean(response, tensors)
+                warm_rss = sampler.sample()
+                steps = range(WARMUP_ROUNDS, WARMUP_ROUNDS + rounds)
+                seconds, server_cpu_s, client_cpu_s = time_rounds(calls, tensors, steps, processes)
+        finally:
+            for per_rank in calls:
+                for call in per_rank:
+                    call.close()
     return Timed(seconds, server_cpu_s, client_cpu_s, baseline_rss, warm_rss, sampler.peak_bytes, len(responses[0][0]))
 
 
-def measure_config(bits: int, gradients: Sequence[np.ndarray], shards: int, rounds: int, floor: bool) -> Row:
+def measure_config(
+    bits: int, transport: str, gradients: Sequence[np.ndarray], shards: int, rounds: int, floor: bool
+) -> Row:
     """Time ``rounds`` rounds of ``len(gradients)`` ranks on ``shards`` aggregators, then (``floor``) on bare gRPC.
 
     Args:
         bits: bits per element, per-channel affine.
+        transport: "stream" or "unary" (see ``Row.transport``).
         gradients: one float32 bucket per rank.
         shards: aggregator processes, each pushed one bucket per rank and round.
         rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
@@ -603,10 +680,11 @@ def measure_config(bits: int, gradients: Sequence[np.ndarray], shards: int, roun
     """
     config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=bits)
     tensors = [encode(bucket, config) for bucket in gradients]
-    gradq = timed_shards(tensors, shards, rounds)
-    bare = timed_shards(tensors, shards, rounds, _floor_command(bits, tensors[0].numel)) if floor else None
+    gradq = timed_shards(tensors, shards, rounds, transport)
+    bare = timed_shards(tensors, shards, rounds, transport, _floor_command(bits, tensors[0].numel)) if floor else None
     return Row(
         bits=bits,
+        transport=transport,
         world_size=len(tensors),
         shards=shards,
         numel=tensors[0].numel,
@@ -650,17 +728,17 @@ def client_round_trip_seconds(bucket: np.ndarray, config: QuantConfig) -> tuple[
 def format_table(rows: Sequence[Row]) -> str:
     """Render the rows as a markdown table."""
     lines = [
-        "| bits | W | shards | rounds/s | wire MB/push (in+out) | aggregator CPU ms/push | "
+        "| bits | transport | W | shards | rounds/s | wire MB/push (in+out) | aggregator CPU ms/push | "
         "**GB/s of wire per aggregator CPU-s** | bare gRPC floor ms/push | gradq's own ms/push | "
         "GB/s of wire (wall) | GB/s fp32 aggregated | aggregator cores busy | workers cores busy | "
         "RSS before 1st push MB | RSS after warm-up MB | peak RSS MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         floor = row.floor_ms_per_push
         floor_cells = "| - | - |" if floor is None else f"| {floor:.3f} | {row.cpu_ms_per_push - floor:.3f} |"
         lines.append(
-            f"| {row.bits} | {row.world_size} | {row.shards} | {row.rounds_per_s:.2f} | "
+            f"| {row.bits} | {row.transport} | {row.world_size} | {row.shards} | {row.rounds_per_s:.2f} | "
             f"{(row.request_bytes + row.response_bytes) / MB:.3f} | {row.cpu_ms_per_push:.3f} | "
             f"**{row.wire_gb_per_cpu_s:.3f}** {floor_cells} {row.wire_gbps:.3f} | {row.gbps:.2f} | "
             f"{row.server_cores:.2f} | {row.client_cores:.2f} | {row.baseline_rss / MB:.0f} | "
@@ -684,7 +762,7 @@ def format_verdict(rows: Sequence[Row], encode_s: float, decode_s: float) -> str
     worker = (
         f"one worker: {worker_rate:.2f} buckets/s (encode {encode_s * 1e3:.2f} ms + decode {decode_s * 1e3:.2f} ms)"
     )
-    row = next((r for r in rows if (r.world_size, r.bits, r.shards) == (4, 8, 1)), None)
+    row = next((r for r in rows if (r.world_size, r.bits, r.shards, r.transport) == (4, 8, 1, "stream")), None)
     if row is None:
         return f"{worker}\nverdict: not measured (needs --workers 4, --bits 8 and --shards 1)"
     server = f"server: {row.rounds_per_s:.2f} rounds/s at W=4, 8-bit"
@@ -702,7 +780,8 @@ def format_target(rows: Sequence[Row]) -> str:
         if row.bits == 4 and row.world_size >= 4:
             verdict = "PASS" if row.wire_gb_per_cpu_s >= TARGET_GB_PER_CPU_S else "FAIL"
             lines.append(
-                f"{verdict}: 4 bits, W={row.world_size}, {row.shards} shard(s): {row.wire_gb_per_cpu_s:.3f} GB/s of "
+                f"{verdict}: 4 bits, {row.transport}, W={row.world_size}, {row.shards} shard(s): "
+                f"{row.wire_gb_per_cpu_s:.3f} GB/s of "
                 f"wire per aggregator CPU-second; target >= {TARGET_GB_PER_CPU_S:g}"
             )
     return "\n".join(lines) or f"target (>= {TARGET_GB_PER_CPU_S:g} GB/s per CPU-s at 4 bits, W >= 4): not measured"
@@ -731,6 +810,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=_positive, default=10, help=f"timed rounds after {WARMUP_ROUNDS} warm-up")
     parser.add_argument("--numel", type=_positive, default=BUCKET_NUMEL, help="float32 elements per bucket")
     parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        nargs="+",
+        default=list(TRANSPORTS),
+        help="how ranks push: one PushPullStream per rank and shard (the client's default), or a unary call per push",
+    )
+    parser.add_argument(
         "--floor", action="store_true", help="after each row, time the same pushes on bare gRPC-Python servers"
     )
     parser.add_argument("--serve-floor", type=_positive, metavar="WORLD_SIZE", help=argparse.SUPPRESS)
@@ -755,8 +841,15 @@ def run(args: argparse.Namespace) -> None:
     for bits in args.bits:
         for world_size in args.workers:
             for shards in args.shards:
-                rows.append(measure_config(bits, gradients[:world_size], shards, args.rounds, args.floor))
-                print(f"measured bits={bits} W={world_size} shards={shards}", file=sys.stderr, flush=True)
+                for transport in args.transport:  # side by side, minutes apart at most
+                    rows.append(
+                        measure_config(bits, transport, gradients[:world_size], shards, args.rounds, args.floor)
+                    )
+                    print(
+                        f"measured bits={bits} W={world_size} shards={shards} transport={transport}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     print(format_table(rows), flush=True)
     print(
         "\nWire = each push's request + response protobuf bytes (1 MB = 1e6 B, 1 GB = 1e9 B), without gRPC/HTTP2 "

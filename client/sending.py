@@ -1,7 +1,10 @@
 """Pushes on the wire: each shard's send window, retries of UNAVAILABLE, and settling every push's future.
 
 WorkerClient builds a push (a serialized PushPullRequest and where its mean
-goes) and hands it here; from then on this module alone touches it. A push
+goes) and hands it here; from then on this module alone touches it. Each
+shard's pushes travel as the messages of one PushPullStream
+(gradq.client.push_stream), or as unary PushPull calls where the aggregator
+has no such method or the client was asked for them (``UnaryPushes``). A push
 that fails with UNAVAILABLE is retried with backoff after rejoining the
 shard (the aggregator never counts a resent (step, bucket, rank) twice); one
 that fails otherwise, or runs out of retries, fails the pushes queued behind
@@ -12,22 +15,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from gradq.client import serde
 from gradq.client.chunks import CHUNK_KEY_STRIDE
+from gradq.client.push_stream import PushStream, StreamedReply
 from gradq.client.stats import StatsRecorder
 from gradq.client.window import ShardWindow
 from gradq.qcore.arrays import ArrayCodec
 
-__all__ = ["AggregationError", "PendingPush", "ShardSender"]
+__all__ = ["AggregationError", "PendingPush", "PushTransport", "ShardSender", "UnaryPushes"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,43 @@ class AggregationError(RuntimeError):
         self.details = details
 
 
+class Reply(Protocol):
+    """A push's answer as ``ShardSender`` reads it: a unary call's ``grpc.Future``, or a ``StreamedReply``."""
+
+    def code(self) -> grpc.StatusCode | None: ...
+    def details(self) -> str | None: ...
+    def result(self) -> bytes: ...
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None: ...
+
+
+class PushTransport(Protocol):
+    """How one shard's pushes reach it."""
+
+    def send(self, request: bytes, sequence: int) -> Reply:
+        """Send a serialized PushPullRequest; raises ValueError when the channel is closed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class UnaryPushes:
+    """A unary PushPull call per push (``metadata``: the bearer token; ``timeout_s``: each call's deadline)."""
+
+    def __init__(
+        self, push_pull: grpc.UnaryUnaryMultiCallable, timeout_s: float, metadata: tuple[tuple[str, str], ...] | None
+    ) -> None:
+        self._push_pull = push_pull
+        self._timeout_s = timeout_s
+        self._metadata = metadata
+
+    def send(self, request: bytes, sequence: int) -> Reply:
+        future: Reply = self._push_pull.future(request, timeout=self._timeout_s, metadata=self._metadata)
+        return future
+
+    def close(self) -> None:
+        """Nothing to end: the channel's close ends the calls."""
+
+
 @dataclass(slots=True)
 class PendingPush:
     """A push in flight: everything a retry needs to resend it unchanged."""
@@ -50,11 +92,12 @@ class PendingPush:
     shard: int
     step: int
     bucket: int  # the round key: bucket + chunk * CHUNK_KEY_STRIDE
-    request: bytes  # the serialized PushPullRequest
+    request: bytes  # the serialized PushPullRequest, carrying ``sequence``
     shape: tuple[int, ...]
     arrays: ArrayCodec  # the library ``out`` lives in
     out: Any  # flat float32 array or tensor: the mean is decoded into it
     result: concurrent.futures.Future[Any]
+    sequence: int = 0  # names the push in its answer on a stream (ShardSender.next_sequence)
     attempt: int = 0
     sent_at: float = 0.0  # perf_counter when the latest attempt went out
     unavailable_since: float | None = None  # perf_counter of the first UNAVAILABLE: how long the shard was tried
@@ -65,9 +108,9 @@ class ShardSender:
 
     Args:
         addresses: ``host:port`` of each shard, for messages.
-        push_pulls: the raw-bytes PushPull callable of each shard's channel.
-        metadata: sent with every call (the bearer token).
-        timeout_s: deadline of each call.
+        transports: how each shard's pushes reach it.
+        unary: the unary transport of each shard, which takes over from a stream
+            the shard answers UNIMPLEMENTED (an aggregator without PushPullStream).
         max_retries: retries of a call that failed with UNAVAILABLE.
         retry_backoff_s: first retry delay, doubled on each retry.
         window: pushes per shard on the wire at once.
@@ -81,9 +124,8 @@ class ShardSender:
     def __init__(
         self,
         addresses: Sequence[str],
-        push_pulls: Sequence[grpc.UnaryUnaryMultiCallable],
-        metadata: tuple[tuple[str, str], ...] | None,
-        timeout_s: float,
+        transports: Sequence[PushTransport],
+        unary: Sequence[PushTransport],
         max_retries: int,
         retry_backoff_s: float,
         window: ShardWindow[PendingPush],
@@ -92,9 +134,10 @@ class ShardSender:
         lost_self: Callable[[str], bool] = lambda details: False,
     ) -> None:
         self.addresses = list(addresses)
-        self._push_pulls = list(push_pulls)
-        self._metadata = metadata
-        self.timeout_s = timeout_s
+        self.transports = list(transports)
+        self._unary = list(unary)
+        self._replaced: list[PushTransport] = []  # streams a shard answered UNIMPLEMENTED
+        self._sequences = itertools.count(1)
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.window = window
@@ -103,6 +146,15 @@ class ShardSender:
         self._lost_self = lost_self
         self._held_lock = threading.Lock()  # futures settle on gRPC's threads
         self.held_bytes = 0  # bytes of the requests submitted and not yet settled
+
+    def next_sequence(self) -> int:
+        """A sequence no other push of this client has (``next`` on a count is atomic under the GIL)."""
+        return next(self._sequences)
+
+    def close(self) -> None:
+        """End every shard's transport: pushes still on a stream fail (CANCELLED)."""
+        for transport in [*self.transports, *self._replaced]:
+            transport.close()
 
     def submit(self, pending: PendingPush) -> None:
         """Send ``pending`` now if its shard's window has room, else once a slot frees."""
@@ -136,9 +188,7 @@ class ShardSender:
         """Start the RPC; False when it failed at once (``pending`` is settled)."""
         pending.sent_at = time.perf_counter()
         try:
-            call = self._push_pulls[pending.shard].future(
-                pending.request, timeout=self.timeout_s, metadata=self._metadata
-            )
+            call = self.transports[pending.shard].send(pending.request, pending.sequence)
         except ValueError as error:  # the channel was closed: fail through the future, like any RPC error
             self.fail(pending, grpc.StatusCode.CANCELLED, str(error))
             return False
@@ -155,9 +205,18 @@ class ShardSender:
         for waiting in self.window.drain(shard):
             self.fail(waiting, error.code, f"not sent: an earlier push to this shard failed ({error.details})")
 
-    def _on_reply(self, call: grpc.Future, pending: PendingPush) -> None:
+    def _on_reply(self, call: Reply, pending: PendingPush) -> None:
         code = call.code()
         address = self.addresses[pending.shard]
+        if code == grpc.StatusCode.UNIMPLEMENTED and isinstance(call, StreamedReply):
+            # An aggregator from before PushPullStream: this shard's pushes go as unary calls from now on.
+            transport = self.transports[pending.shard]
+            if isinstance(transport, PushStream):
+                log.info("aggregator %s has no PushPullStream; sending its pushes as unary PushPull calls", address)
+                self.transports[pending.shard] = self._unary[pending.shard]
+                self._replaced.append(transport)  # closed with the rest: a push may be on its way into it
+            self._transmit(pending)  # still holding its window slot; a failure settles it
+            return
         if code == grpc.StatusCode.OK:
             received_at = time.perf_counter()
             try:
@@ -180,7 +239,11 @@ class ShardSender:
                     "aggregator %s averaged %d ranks; missing %s", address, mean.contributors, list(mean.missing_ranks)
                 )
             pending.result.set_result(pending.out.reshape(pending.shape))
-        elif code == grpc.StatusCode.ABORTED and pending.attempt < self.max_retries and self._lost_self(call.details()):
+        elif (
+            code == grpc.StatusCode.ABORTED
+            and pending.attempt < self.max_retries
+            and self._lost_self(call.details() or "")
+        ):
             pending.attempt += 1  # back after a silence the aggregator took for a loss: rejoin, send again
             log.warning("aggregator %s counted this rank lost; rejoining: %s", address, call.details())
             timer = threading.Timer(0.0, self._retry, (pending,))
@@ -241,6 +304,6 @@ class ShardSender:
         self._transmit(pending)  # still holding its window slot; a failure settles it
 
 
-def _forgot_job(call: grpc.Future) -> bool:
+def _forgot_job(call: Reply) -> bool:
     """A refusal saying the aggregator holds no job of this id (gradq.server.jobs: ``JobTable.member``)."""
     return "has no joined ranks; call Join first" in (call.details() or "")

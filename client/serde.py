@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
@@ -14,7 +15,16 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
 
-__all__ = ["PulledMean", "push_pull_request", "mean_from_bytes", "join_request", "leave_request"]
+__all__ = [
+    "PulledMean",
+    "push_pull_request",
+    "mean_from_bytes",
+    "stream_answer_of",
+    "join_request",
+    "leave_request",
+]
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +132,35 @@ def push_pull_request(
     tensor: QuantizedArray,
     non_finite: bool = False,
     incarnation: str = "",
+    sequence: int = 0,
 ) -> bytes:
-    """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket."""
+    """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket.
+
+    ``sequence`` names the push in its answer on a PushPullStream (PushPull ignores it).
+    """
     request = pb.PushPullRequest(
-        job_id=job_id, step=step, bucket=bucket, rank=rank, non_finite=non_finite, incarnation=incarnation
+        job_id=job_id,
+        step=step,
+        bucket=bucket,
+        rank=rank,
+        non_finite=non_finite,
+        incarnation=incarnation,
+        sequence=sequence,
     )
     return serialize_with_tensor(request, "tensor", tensor)
+
+
+def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str]:
+    """(sequence, status, details) of a PushPullStream answer; the mean itself is read by ``mean_from_bytes``.
+
+    Raises:
+        ValueError: the bytes are not a PushPullResponse.
+    """
+    try:
+        response, _ = parse_with_tensor(data, pb.PushPullResponse, "mean")
+    except DecodeError as error:
+        raise ValueError(f"answer is not a gradq.v1.PushPullResponse: {error}") from None
+    return response.sequence, _STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.details
 
 
 def mean_from_bytes(data: bytes, numel: int) -> PulledMean:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -24,8 +25,9 @@ from gradq.client.chunks import (
 )
 from gradq.client.discovery import discover_shards
 from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState, fetch_state, send_state, world_of
+from gradq.client.push_stream import PushStream
 from gradq.client.security import ChannelSecurity
-from gradq.client.sending import AggregationError, PendingPush, ShardSender
+from gradq.client.sending import AggregationError, PendingPush, ShardSender, UnaryPushes
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
+_PUSH_PULL_STREAM_METHOD = f"{_PUSH_PULL_METHOD}Stream"
 
 
 class WorkerClient:
@@ -103,6 +106,10 @@ class WorkerClient:
             the job's global state (see ``seed_outer``); None: it only averages.
         semi_sync: elastic, with ``outer_step``: (quorum, grace seconds): a round
             closes once that many members have pushed and the grace has passed.
+        push_stream: send each shard's pushes as the messages of one
+            PushPullStream call (gRPC's per-call work saved at both ends); False
+            makes one unary PushPull call per push. An aggregator without
+            PushPullStream gets unary calls either way.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class WorkerClient:
         model_signature: str = "",
         outer_step: OuterStep | None = None,
         semi_sync: tuple[int, float] | None = None,
+        push_stream: bool = True,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -191,6 +199,7 @@ class WorkerClient:
         self._stats = StatsRecorder(log_every_s)
         self._pushes_since_sample = 0
         self._sending = (timeout_s, max_retries, retry_backoff_s, max_in_flight)
+        self.push_stream = push_stream
         # One address of a fixed job may be one shard of a group: ``join`` asks it for the others first.
         self._discover = len(self.addresses) == 1 and not elastic
         self._channels: list[grpc.Channel] = []
@@ -213,11 +222,15 @@ class WorkerClient:
         # One Watch stream per shard, held open while joined (see gradq.server.liveness).
         self._watches: list[Any] = [None] * len(self.addresses)
         timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
+        unary = [UnaryPushes(c.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata) for c in self._channels]
+        streams = [
+            PushStream(functools.partial(c.stream_stream(_PUSH_PULL_STREAM_METHOD), metadata=self._metadata), timeout_s)
+            for c in self._channels
+        ]
         self._sender = ShardSender(
             self.addresses,
-            [channel.unary_unary(_PUSH_PULL_METHOD) for channel in self._channels],
-            self._metadata,
-            timeout_s,
+            streams if self.push_stream else unary,
+            unary,
             max_retries,
             retry_backoff_s,
             ShardWindow(len(self.addresses), max_in_flight),
@@ -243,6 +256,7 @@ class WorkerClient:
             group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
             self._discover = False
             if group != self.addresses:
+                self._sender.close()  # replaced by the group's; nothing was pushed through it yet
                 self._open_shards(group)
         # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
         # not before it: an elastic joiner's wait for the state begins at the Join, and a push
@@ -457,6 +471,7 @@ class WorkerClient:
             if watching is not None:
                 watching.cancel()
                 self._watches[shard] = None
+        self._sender.close()
         for channel in self._channels:
             channel.close()
 
@@ -667,8 +682,9 @@ class WorkerClient:
             return pending.result
         if not self._joined[shard]:
             self._join_shard(shard)
+        pending.sequence = self._sender.next_sequence()
         pending.request = serde.push_pull_request(
-            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnations[shard]
+            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnations[shard], pending.sequence
         )
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)

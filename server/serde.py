@@ -25,6 +25,10 @@ __all__ = [
     "Contribution",
     "contribution_from_bytes",
     "contribution_from_proto",
+    "push_from_bytes",
+    "streamed_push_from_bytes",
+    "streamed_answer",
+    "streamed_refusal",
     "result_to_bytes",
     "join_to_proto",
     "join_from_bytes",
@@ -62,17 +66,52 @@ def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | b
     )
 
 
+def push_from_bytes(data: bytes) -> tuple[pb.PushPullRequest, memoryview | bytes]:
+    """Parse a serialized PushPullRequest, its payload apart (a view into ``data``), checking no field.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a PushPullRequest.
+    """
+    try:
+        return parse_with_tensor(data, pb.PushPullRequest, "tensor")
+    except DecodeError as error:
+        raise InvalidArgumentError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
+
+
 def contribution_from_bytes(data: bytes) -> Contribution:
     """Parse and validate a serialized PushPullRequest; the payload stays a view into ``data``.
 
     Raises:
         InvalidArgumentError: the bytes are not a PushPullRequest, or a field is invalid.
     """
+    return contribution_from_proto(*push_from_bytes(data))
+
+
+def streamed_push_from_bytes(data: bytes) -> tuple[int, Contribution | InvalidArgumentError]:
+    """A PushPullStream message: its sequence, and its contribution or why a field is invalid.
+
+    Raises:
+        InvalidArgumentError: the bytes are not a PushPullRequest (there is no sequence to answer with).
+    """
+    request, payload = push_from_bytes(data)
     try:
-        request, payload = parse_with_tensor(data, pb.PushPullRequest, "tensor")
-    except DecodeError as error:
-        raise InvalidArgumentError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
-    return contribution_from_proto(request, payload)
+        return request.sequence, contribution_from_proto(request, payload)
+    except InvalidArgumentError as error:
+        return request.sequence, error
+
+
+def streamed_answer(packaged: bytes, sequence: int) -> bytes:
+    """A finished round's PushPullResponse (``packaged``) as the answer to one push of a PushPullStream.
+
+    Concatenated protobuf messages parse as one with the fields of both, so
+    the push's sequence is appended to the bytes every waiter shares.
+    """
+    return packaged + pb.PushPullResponse(sequence=sequence).SerializeToString()
+
+
+def streamed_refusal(sequence: int, code: int, details: str) -> bytes:
+    """The answer to a PushPullStream push refused with status ``code`` (a google.rpc.Code): no mean."""
+    return pb.PushPullResponse(sequence=sequence, code=code, details=details).SerializeToString()
 
 
 def result_to_bytes(result: RoundResult) -> bytes:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -37,6 +39,8 @@ from gradq.server.waiting import WaitingCalls, peer_host
 __all__ = ["AggregatorServicer", "add_aggregator_to_server", "aggregator_handlers", "SERVICE_NAME"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -67,6 +71,16 @@ class RawRequest:
     def take(self) -> bytes:
         data, self.data = self.data, b""
         return data
+
+
+@dataclass(frozen=True, slots=True)
+class _Streamed:
+    """What a PushPullStream's writer takes next: an answer to write, or news of the stream itself."""
+
+    data: bytes  # a serialized PushPullResponse; empty for news
+    slot: tuple[str, str] | None = None  # the (job, peer) waiting slot the answer holds until it is written
+    end: bool = False  # the client sent its last push
+    ending: RoundError | None = None  # end the call with this status
 
 
 class LoopWakeups:
@@ -162,8 +176,11 @@ class AggregatorServicer:
         self.outer_joiners = OuterJoiners(table, self.relays)
         table.outer_boundary = self._outer_boundary
         self._observe_membership = membership_observer
-        # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace.
+        # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace,
+        # and so does every PushPullStream once its pushes are answered.
         self._stopping = asyncio.Event()
+        # The answer queue of each open PushPullStream, to wake its writer when the server stops.
+        self._push_streams: set[asyncio.Queue[_Streamed]] = set()
         # Each elastic job's open Watch streams, woken to send its members whenever they change.
         self._watchers: dict[Job, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, known from the first Watch
@@ -204,26 +221,128 @@ class AggregatorServicer:
         return response.SerializeToString()
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
-        data = raw.take()
-        run = _call if len(data) <= _ON_LOOP_BYTES else _in_pool
-        contribution = await run(context, serde.contribution_from_bytes, data)
-        del data
-        job_id = contribution.job_id
-        await _call(context, check_scope, job_id, contribution.rank)
         peer = peer_host(context.peer())
-        await _call(context, self.waiting.acquire, job_id, peer)
         try:
-            # Every check that can refuse runs here on the loop; only admitted pushes reach the pool.
-            ticket = await self._admit(contribution, context)
-            if not self._added_on_loop(ticket, contribution):
-                await _in_pool(context, self.table.add, ticket, contribution.tensor, contribution.non_finite)
-                self._warm_grids.add(_grid_of(contribution.tensor))
+            contribution = await _parsed(serde.contribution_from_bytes, raw.take())
+            job_id = contribution.job_id
+            check_scope(job_id, contribution.rank)
+            self.waiting.acquire(job_id, peer)
+        except RoundError as error:
+            await _abort(context, error)
+        try:
+            ticket = await self._add(contribution)
             del contribution  # accumulated: nothing of the payload need outlive the push
-            result = await self._wait(ticket, context)
+            result = await self._wait(ticket)
+        except RoundError as error:
+            await _abort(context, error)
         finally:
             self.waiting.release(job_id, peer)
         assert isinstance(result.packaged, bytes), "the table packages every result"
         return result.packaged
+
+    async def PushPullStream(  # noqa: N802
+        self, requests: AsyncIterator[RawRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """PushPull's pushes as one stream's messages, each answered as its round finishes.
+
+        Every push read becomes a task of its own, so the stream is read on
+        while earlier pushes wait for their rounds; each holds a waiting slot
+        (``WaitingCalls``) until its answer is written, so a client that stops
+        reading answers is held to the same caps as its waiting calls, and a
+        push past a cap is refused as a PushPull call would be. A stream has at
+        most twice as many pushes read and unanswered as one peer may have
+        waiting (room for the refusals): past that it is not read until
+        answers are written, and gRPC's flow control holds the client.
+        """
+        peer = peer_host(context.peer())
+        answers: asyncio.Queue[_Streamed] = asyncio.Queue()
+        room = asyncio.Semaphore(2 * self.waiting.per_peer)
+        pushes: set[asyncio.Task[None]] = set()
+        unanswered = 0
+
+        async def serve(data: bytes) -> None:
+            answers.put_nowait(await self._streamed_push(data, peer))
+
+        async def read() -> None:
+            nonlocal unanswered
+            try:
+                async for raw in requests:
+                    await room.acquire()
+                    unanswered += 1
+                    task = asyncio.create_task(serve(raw.take()))
+                    pushes.add(task)
+                    task.add_done_callback(pushes.discard)
+                answers.put_nowait(_Streamed(b"", end=True))
+            except Exception as error:  # the request stream broke: end the call with it
+                answers.put_nowait(_Streamed(b"", ending=UnavailableError(f"the request stream failed: {error}")))
+
+        self._push_streams.add(answers)
+        reader = asyncio.create_task(read())
+        read_all = False
+        try:
+            # Until the client has sent its last push and every push is answered; or, once the server
+            # stops (its rounds settled), as soon as none is unanswered: the client's next push fails
+            # over to a new call, as a unary one would.
+            while not ((read_all or self._stopping.is_set()) and unanswered == 0):
+                answer = await answers.get()
+                if answer.ending is not None:
+                    await _abort(context, answer.ending)
+                read_all = read_all or answer.end
+                if not answer.data:
+                    continue  # the end of the requests, or the server stopping: check again
+                yield answer.data
+                if answer.slot is not None:
+                    self.waiting.release(*answer.slot)
+                unanswered -= 1
+                room.release()
+        finally:
+            self._push_streams.discard(answers)
+            reader.cancel()
+            for task in list(pushes):
+                task.cancel()  # a push cancelled while it waits stays counted, as with a cancelled PushPull
+            while not answers.empty():
+                left = answers.get_nowait()
+                if left.slot is not None:
+                    self.waiting.release(*left.slot)
+
+    async def _streamed_push(self, data: bytes, peer: str) -> _Streamed:
+        """One PushPullStream push, start to answer: a PushPullResponse naming its sequence, never an exception."""
+        try:
+            sequence, parsed = await _parsed(serde.streamed_push_from_bytes, data)
+        except RoundError as error:  # not a PushPullRequest: no sequence to answer with
+            return _Streamed(b"", ending=error)
+        del data
+        slot: tuple[str, str] | None = None
+        try:
+            if isinstance(parsed, RoundError):
+                raise parsed
+            job_id = parsed.job_id
+            check_scope(job_id, parsed.rank)
+            self.waiting.acquire(job_id, peer)
+            slot = (job_id, peer)
+            ticket = await self._add(parsed)
+            del parsed  # accumulated: nothing of the payload need outlive the push
+            result = await self._wait(ticket)
+            assert isinstance(result.packaged, bytes), "the table packages every result"
+            answer, slot = _Streamed(serde.streamed_answer(result.packaged, sequence), slot=slot), None
+            return answer
+        except RoundError as error:
+            return _Streamed(serde.streamed_refusal(sequence, _status_code(error.code), str(error)))
+        except Exception as error:  # a bug: answer as gRPC answers a unary handler's, and keep the stream
+            log.exception("PushPullStream push %d failed", sequence)
+            details = f"{type(error).__name__}: {error}"
+            return _Streamed(serde.streamed_refusal(sequence, _status_code("UNKNOWN"), details))
+        finally:
+            if slot is not None:
+                self.waiting.release(*slot)
+
+    async def _add(self, contribution: serde.Contribution) -> RoundTicket:
+        """Admit the contribution to its round and accumulate it; raises RoundError."""
+        ticket = await self._admit(contribution)
+        if not self._added_on_loop(ticket, contribution):
+            await asyncio.to_thread(self.table.add, ticket, contribution.tensor, contribution.non_finite)
+            self._warm_grids.add(_grid_of(contribution.tensor))
+        return ticket
 
     def _added_on_loop(self, ticket: RoundTicket, contribution: serde.Contribution) -> bool:
         """Whether the contribution went into its round here on the loop (see ``_ON_LOOP_ELEMENTS``)."""
@@ -232,8 +351,8 @@ class AggregatorServicer:
             return False
         return self.table.try_add(ticket, tensor)
 
-    async def _admit(self, contribution: serde.Contribution, context: grpc.aio.ServicerContext) -> RoundTicket:
-        """The push's round, or the call's refusal."""
+    async def _admit(self, contribution: serde.Contribution) -> RoundTicket:
+        """The push's round; raises RoundError."""
         try:
             return self.table.admit(
                 contribution.job_id,
@@ -243,17 +362,15 @@ class AggregatorServicer:
                 contribution.tensor,
                 contribution.incarnation,
             )
-        except ResourceExhaustedError as error:
-            # Out of memory budget or rounds: answered after a pause, holding the call's waiting
+        except ResourceExhaustedError:
+            # Out of memory budget or rounds: answered after a pause, holding the push's waiting
             # slot but no thread, so a client that retries at once cannot turn refusals (each
             # costs gRPC ~0.5 ms of CPU) into a flood that starves the other jobs.
             await asyncio.sleep(_REFUSAL_PAUSE_S)
-            await _abort(context, error)
-        except RoundError as error:
-            await _abort(context, error)
+            raise
 
-    async def _wait(self, ticket: RoundTicket, context: grpc.aio.ServicerContext) -> RoundResult:
-        """Wait for the ticket's round without holding a thread.
+    async def _wait(self, ticket: RoundTicket) -> RoundResult:
+        """Wait for the ticket's round without holding a thread; raises RoundError.
 
         When the client cancels or its deadline passes, gRPC cancels this
         coroutine at the ``await``: the call ends at once and its contribution
@@ -272,8 +389,8 @@ class AggregatorServicer:
                 deadline.cancel()
                 self.table.unwatch(ticket, waker)
         if ticket.round.done.is_set():
-            return await _call(context, self.table.answer, ticket)
-        return await _in_pool(context, self.table.answer, ticket)  # closes the round over the ranks it has
+            return self.table.answer(ticket)
+        return await asyncio.to_thread(self.table.answer, ticket)  # closes the round over the ranks it has
 
     async def Watch(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # noqa: N802
         """Stay open while the rank lives: a parked coroutine, no thread; its end without a Leave loses the rank."""
@@ -325,11 +442,13 @@ class AggregatorServicer:
             changed.set()
 
     async def end_watches(self) -> None:
-        """End every Watch stream (the server is stopping: no rank is lost by it)."""
+        """End every Watch stream (the server is stopping: no rank is lost by it), and each PushPullStream once idle."""
         self._stopping.set()
         for watchers in self._watchers.values():
             for changed in watchers:
                 changed.set()
+        for answers in self._push_streams:
+            answers.put_nowait(_Streamed(b""))
 
     async def FetchState(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # noqa: N802
         """A pending elastic member waits for the training state, and receives it as a live member sends it."""
@@ -420,6 +539,9 @@ def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMetho
     handlers["PutState"] = grpc.stream_unary_rpc_method_handler(
         servicer.PutState, request_deserializer=RawRequest, response_serializer=_as_bytes
     )
+    handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
+        servicer.PushPullStream, request_deserializer=RawRequest, response_serializer=_as_bytes
+    )
     return handlers
 
 
@@ -443,6 +565,19 @@ async def _in_pool(context: grpc.aio.ServicerContext, action: Callable[..., T], 
         return await asyncio.to_thread(action, *args)
     except RoundError as error:
         await _abort(context, error)
+
+
+async def _parsed(parse: Callable[[bytes], T], data: bytes) -> T:
+    """``parse(data)``: on the loop when ``data`` is small (see ``_ON_LOOP_BYTES``), else on the executor."""
+    if len(data) <= _ON_LOOP_BYTES:
+        return parse(data)
+    return await asyncio.to_thread(parse, data)
+
+
+def _status_code(name: str) -> int:
+    """The google.rpc.Code number of a ``grpc.StatusCode`` name."""
+    code: int = grpc.StatusCode[name].value[0]
+    return code
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: RoundError) -> NoReturn:

@@ -107,7 +107,7 @@ class JoinResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation")
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation", "sequence")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class PushPullRequest(_message.Message):
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     bucket: int
@@ -122,21 +123,28 @@ class PushPullRequest(_message.Message):
     tensor: QuantizedTensor
     non_finite: bool
     incarnation: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    sequence: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped")
+    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details")
     MEAN_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     mean: QuantizedTensor
     contributors: int
     partial: bool
     missing_ranks: _containers.RepeatedScalarFieldContainer[int]
     skipped: bool
-    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    sequence: int
+    code: int
+    details: str
+    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation")

@@ -44,6 +44,11 @@ class AggregatorStub:
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PushPullStream = channel.stream_stream(
+                '/gradq.v1.Aggregator/PushPullStream',
+                request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/gradq.v1.Aggregator/Watch',
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.SerializeToString,
@@ -92,6 +97,17 @@ class AggregatorServicer:
         and a push to a round that failed gets that failure at once (except a
         round no later step has moved past, a round timeout after its deadline:
         a stray push opened it too early, and the push starts it afresh).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPullStream(self, request_iterator, context):
+        """PushPull's pushes as the messages of one stream, answered as their rounds
+        finish, each answer naming its push's sequence; a refused push is answered
+        with the status PushPull would have returned, and the stream goes on. A
+        message that is not a PushPullRequest ends the stream (INVALID_ARGUMENT).
+        One stream per rank and shard saves gRPC's per-call work on both ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +171,11 @@ def add_AggregatorServicer_to_server(servicer, server):
             ),
             'PushPull': grpc.unary_unary_rpc_method_handler(
                     servicer.PushPull,
+                    request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.FromString,
+                    response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PushPullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPullStream,
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.SerializeToString,
             ),
@@ -241,6 +262,33 @@ class Aggregator:
             request,
             target,
             '/gradq.v1.Aggregator/PushPull',
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
+            gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradq.v1.Aggregator/PushPullStream',
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
             options,

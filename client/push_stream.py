@@ -1,0 +1,209 @@
+"""A shard's pushes as the messages of one PushPullStream call, each answered like a unary PushPull.
+
+A unary PushPull costs gRPC-Python a call's setup and teardown at both ends
+(bench/call_vs_stream.py: about half of a bare aggregator's CPU per 4-bit
+push). Here one bidirectional stream per shard carries them all: the rank's
+threads put requests on the stream's outbox and get back a ``StreamedReply``,
+which reads like the ``grpc.Future`` of a unary call (``code``, ``details``,
+``result``, ``add_done_callback``), so ``ShardSender`` settles, retries and
+fails pushes the same way over either. Answers come as rounds finish, named
+by the push's ``sequence``; a thread per stream reads them, and one per shard
+fails a push whose answer is later than the deadline a unary call would have.
+When the call ends (the aggregator went away, restarted or stopped), every
+unanswered push gets the call's status and the next push opens a new call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from gradq.client import serde
+
+__all__ = ["PushStream", "StreamedReply"]
+
+# A stream the aggregator ended cleanly with pushes unanswered (it stopped, or the client sent
+# after its last answer): they are resent, like pushes whose call found the aggregator gone.
+_ENDED = (grpc.StatusCode.UNAVAILABLE, "the aggregator ended the push stream before answering")
+
+
+class StreamedReply:
+    """One push's answer on a stream: the part of ``grpc.Future``'s interface ``ShardSender`` reads."""
+
+    __slots__ = ("_callbacks", "_code", "_data", "_details", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._data = b""
+        self._callbacks: list[Callable[[StreamedReply], None]] = []
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def result(self) -> bytes:
+        """The PushPullResponse's bytes (for an answer with code OK)."""
+        return self._data
+
+    def add_done_callback(self, callback: Callable[[StreamedReply], None]) -> None:
+        """Run ``callback(self)`` once settled: at once if it is, else on the thread that settles it."""
+        with self._lock:
+            if self._code is None:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def settle(self, code: grpc.StatusCode, details: str, data: bytes = b"") -> bool:
+        """Settle once; False if it already was."""
+        with self._lock:
+            if self._code is not None:
+                return False
+            self._code, self._details, self._data = code, details, data
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+        return True
+
+
+class _Call:
+    """One PushPullStream call: its outbox, its unanswered pushes and the thread that reads its answers."""
+
+    def __init__(self, start: Callable[[Iterator[bytes]], Any]) -> None:
+        self.lock = threading.Lock()
+        self.ended = False
+        self.unanswered: dict[int, StreamedReply] = {}
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # gRPC sends what the iterator yields from a thread of its own; None half-closes the call.
+        self.call = start(iter(self._outbox.get, None))
+        self._reader = threading.Thread(target=self._read, name="gradq-push-stream", daemon=True)
+        self._reader.start()
+
+    def send(self, sequence: int, request: bytes) -> StreamedReply | None:
+        """Queue ``request``; None when the call has ended (open a new one)."""
+        reply = StreamedReply()
+        with self.lock:
+            if self.ended:
+                return None
+            self.unanswered[sequence] = reply
+        self._outbox.put(request)
+        return reply
+
+    def forget(self, sequence: int, reply: StreamedReply) -> None:
+        """Stop waiting for ``sequence`` (its deadline passed): a late answer is dropped."""
+        with self.lock:
+            if self.unanswered.get(sequence) is reply:
+                del self.unanswered[sequence]
+
+    def cancel(self) -> None:
+        self._outbox.put(None)
+        self.call.cancel()
+
+    def _read(self) -> None:
+        code, details = _ENDED
+        try:
+            for data in self.call:
+                sequence, answer_code, answer_details = serde.stream_answer_of(data)
+                with self.lock:
+                    reply = self.unanswered.pop(sequence, None)
+                if reply is not None:  # None: answered after its deadline, or not this client's sequence
+                    reply.settle(answer_code, answer_details, data)
+        except grpc.RpcError as error:
+            code, details = error.code(), error.details() or ""
+        except ValueError as error:  # a malformed answer: the call cannot be trusted to name pushes
+            code, details = grpc.StatusCode.INTERNAL, f"malformed PushPullStream answer: {error}"
+            self.call.cancel()
+        with self.lock:
+            self.ended = True
+            unanswered, self.unanswered = self.unanswered, {}
+        self._outbox.put(None)  # gRPC's sending thread ends too
+        for reply in unanswered.values():
+            reply.settle(code, details)
+
+
+class PushStream:
+    """One shard's stream of pushes, opened on the first push and again after each call ends.
+
+    Args:
+        open_call: starts a PushPullStream call with a request iterator
+            (the channel's ``stream_stream`` callable, metadata bound).
+        timeout_s: a push not answered this long after it was queued fails
+            with DEADLINE_EXCEEDED, as a unary call's deadline would fail it.
+    """
+
+    def __init__(self, open_call: Callable[[Iterator[bytes]], Any], timeout_s: float) -> None:
+        self._open_call = open_call
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._call: _Call | None = None
+        self._closed = False
+        # Unanswered pushes -> (deadline, call, sequence), oldest first (every push gets the same timeout);
+        # an answered one leaves at once, so this holds no answer's bytes.
+        self._deadlines: OrderedDict[StreamedReply, tuple[float, _Call, int]] = OrderedDict()
+        self._deadline_added = threading.Condition(self._lock)
+        self._timer: threading.Thread | None = None
+
+    def send(self, request: bytes, sequence: int) -> StreamedReply:
+        """Send one push (a serialized PushPullRequest carrying ``sequence``); its answer settles the reply.
+
+        Raises:
+            ValueError: the stream is closed (as a closed channel's calls raise).
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("the push stream is closed")
+            call, reply = self._queue(request, sequence)
+            self._deadlines[reply] = (time.monotonic() + self.timeout_s, call, sequence)
+            if self._timer is None:
+                self._timer = threading.Thread(target=self._expire, name="gradq-push-deadlines", daemon=True)
+                self._timer.start()
+            self._deadline_added.notify()
+        reply.add_done_callback(self._answered)  # outside the lock: it runs here if already answered
+        return reply
+
+    def _queue(self, request: bytes, sequence: int) -> tuple[_Call, StreamedReply]:
+        """Queue the push on the current call, or on a new one if it has ended (hold ``_lock``)."""
+        while True:
+            if self._call is None or self._call.ended:
+                self._call = _Call(self._open_call)
+            call = self._call
+            reply = call.send(sequence, request)
+            if reply is not None:
+                return call, reply
+
+    def close(self) -> None:
+        """End the current call: its unanswered pushes fail (CANCELLED); later sends raise ValueError."""
+        with self._lock:
+            self._closed = True
+            call, self._call = self._call, None
+            self._deadline_added.notify()
+        if call is not None:
+            call.cancel()
+
+    def _answered(self, reply: StreamedReply) -> None:
+        with self._lock:
+            self._deadlines.pop(reply, None)
+
+    def _expire(self) -> None:
+        """Fail each push whose deadline passes unanswered, until the stream closes."""
+        while True:
+            with self._lock:
+                while not self._closed:
+                    oldest = next(iter(self._deadlines.items()), None)
+                    if oldest is not None and oldest[1][0] <= time.monotonic():
+                        break
+                    self._deadline_added.wait(None if oldest is None else oldest[1][0] - time.monotonic())
+                if self._closed:
+                    return
+                reply, (_, call, sequence) = self._deadlines.popitem(last=False)
+            call.forget(sequence, reply)
+            reply.settle(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s:g} s")
