@@ -7,17 +7,21 @@ threads put requests on the stream's outbox and get back a ``StreamedReply``,
 which reads like the ``grpc.Future`` of a unary call (``code``, ``details``,
 ``result``, ``add_done_callback``), so ``ShardSender`` settles, retries and
 fails pushes the same way over either. Answers come as rounds finish, named
-by the push's ``sequence``; a thread per stream reads them, and one per shard
-fails a push whose answer is later than the deadline a unary call would have.
+by the push's ``sequence``; a thread per stream reads them, and one per
+process fails a push whose answer is later than the deadline a unary call
+would have.
 When the call ends (the aggregator went away, restarted or stopped), every
 unanswered push gets the call's status and the next push opens a new call.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +31,8 @@ import grpc
 from gradq.client import serde
 
 __all__ = ["PushStream", "StreamedReply"]
+
+log = logging.getLogger(__name__)
 
 # A stream the aggregator ended cleanly with pushes unanswered (it stopped, or the client sent
 # after its last answer): they are resent, like pushes whose call found the aggregator gone.
@@ -61,7 +67,7 @@ class StreamedReply:
             if self._code is None:
                 self._callbacks.append(callback)
                 return
-        callback(self)
+        self._run(callback)
 
     def settle(self, code: grpc.StatusCode, details: str, data: bytes = b"") -> bool:
         """Settle once; False if it already was."""
@@ -71,8 +77,16 @@ class StreamedReply:
             self._code, self._details, self._data = code, details, data
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback(self)
+            self._run(callback)
         return True
+
+    def _run(self, callback: Callable[[StreamedReply], None]) -> None:
+        # On the thread that reads the stream's answers or expires deadlines: one failing callback
+        # must stop neither, as gRPC's own futures log a failing callback and go on.
+        try:
+            callback(self)
+        except Exception:
+            log.exception("a callback of a streamed push failed")
 
 
 class _Call:
@@ -130,6 +144,47 @@ class _Call:
             reply.settle(code, details)
 
 
+class _Deadlines:
+    """One thread per process that fails the pushes of every ``PushStream`` whose deadline passed.
+
+    It sleeps until the earliest deadline of any stream; a push whose deadline
+    comes before the planned wake-up (a stream with a shorter timeout) wakes it.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._streams: weakref.WeakSet[PushStream] = weakref.WeakSet()
+        self._wake_at = math.inf  # while it looks at the streams: any new deadline makes it look again
+        self._rescan = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, stream: PushStream, deadline: float) -> None:
+        """``stream`` has a push due by ``deadline`` (monotonic seconds)."""
+        with self._condition:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradq-push-deadlines", daemon=True)
+                self._thread.start()
+            if deadline < self._wake_at:
+                self._wake_at, self._rescan = deadline, True
+                self._condition.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                self._rescan, self._wake_at = False, math.inf
+                streams = list(self._streams)
+            earliest = min((stream.expire() for stream in streams), default=math.inf)
+            del streams  # a closed stream may go
+            with self._condition:
+                if not self._rescan:
+                    self._wake_at = earliest
+                    self._condition.wait(None if earliest == math.inf else max(0.0, earliest - time.monotonic()))
+
+
+_DEADLINES = _Deadlines()
+
+
 class PushStream:
     """One shard's stream of pushes, opened on the first push and again after each call ends.
 
@@ -149,8 +204,6 @@ class PushStream:
         # Unanswered pushes -> (deadline, call, sequence), oldest first (every push gets the same timeout);
         # an answered one leaves at once, so this holds no answer's bytes.
         self._deadlines: OrderedDict[StreamedReply, tuple[float, _Call, int]] = OrderedDict()
-        self._deadline_added = threading.Condition(self._lock)
-        self._timer: threading.Thread | None = None
 
     def send(self, request: bytes, sequence: int) -> StreamedReply:
         """Send one push (a serialized PushPullRequest carrying ``sequence``); its answer settles the reply.
@@ -162,11 +215,9 @@ class PushStream:
             if self._closed:
                 raise ValueError("the push stream is closed")
             call, reply = self._queue(request, sequence)
-            self._deadlines[reply] = (time.monotonic() + self.timeout_s, call, sequence)
-            if self._timer is None:
-                self._timer = threading.Thread(target=self._expire, name="gradq-push-deadlines", daemon=True)
-                self._timer.start()
-            self._deadline_added.notify()
+            deadline = time.monotonic() + self.timeout_s
+            self._deadlines[reply] = (deadline, call, sequence)
+        _DEADLINES.watch(self, deadline)
         reply.add_done_callback(self._answered)  # outside the lock: it runs here if already answered
         return reply
 
@@ -185,7 +236,6 @@ class PushStream:
         with self._lock:
             self._closed = True
             call, self._call = self._call, None
-            self._deadline_added.notify()
         if call is not None:
             call.cancel()
 
@@ -193,17 +243,19 @@ class PushStream:
         with self._lock:
             self._deadlines.pop(reply, None)
 
-    def _expire(self) -> None:
-        """Fail each push whose deadline passes unanswered, until the stream closes."""
-        while True:
-            with self._lock:
-                while not self._closed:
-                    oldest = next(iter(self._deadlines.items()), None)
-                    if oldest is not None and oldest[1][0] <= time.monotonic():
-                        break
-                    self._deadline_added.wait(None if oldest is None else oldest[1][0] - time.monotonic())
-                if self._closed:
-                    return
-                reply, (_, call, sequence) = self._deadlines.popitem(last=False)
+    def expire(self) -> float:
+        """Fail the pushes whose deadline has passed; returns the next deadline (inf: none)."""
+        now = time.monotonic()
+        overdue = []
+        with self._lock:
+            while self._deadlines:
+                reply, (deadline, call, sequence) = next(iter(self._deadlines.items()))
+                if deadline > now:
+                    break
+                del self._deadlines[reply]
+                overdue.append((reply, call, sequence))
+            earliest = next(iter(self._deadlines.values()))[0] if self._deadlines else math.inf
+        for reply, call, sequence in overdue:
             call.forget(sequence, reply)
             reply.settle(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s:g} s")
+        return earliest

@@ -1,4 +1,4 @@
-"""Malformed and adversarial PushPull requests to a real aggregator: a proper status each, then exact rounds."""
+"""Malformed pushes to a real aggregator, as calls and on a stream: a proper status each, then exact rounds."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ EXPECTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 U64 = st.integers(0, 2**64 - 1)
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +76,9 @@ def tensors(draw: st.DrawFn) -> pb.QuantizedTensor:
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> bytes:
-    if draw(st.integers(0, 19)) == 0:
+def requests(draw: st.DrawFn, garbage: bool = True) -> bytes:
+    """A serialized PushPullRequest with any of its fields broken; with ``garbage``, 1 in 20 is random bytes."""
+    if garbage and draw(st.integers(0, 19)) == 0:
         return draw(st.binary(max_size=200))  # not a protobuf at all, or a truncated one
     request = pb.PushPullRequest(
         job_id=draw(st.sampled_from(["fuzz", "", "nobody", "x" * 300])),
@@ -104,6 +106,27 @@ def test_every_malformed_request_gets_a_proper_status(
     assert code in EXPECTED, (code, details)
     if code != grpc.StatusCode.OK:
         assert details.isprintable() and 10 < len(details) < 600, details
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(batch=st.lists(requests(garbage=False), min_size=1, max_size=20))
+def test_every_malformed_push_on_a_stream_gets_its_own_proper_answer(
+    target: tuple[AggregatorServer, grpc.Channel], batch: list[bytes]
+) -> None:
+    _, channel = target
+    # Each message names itself: a PushPullRequest holding only a sequence, appended, sets that field.
+    sent = [data + pb.PushPullRequest(sequence=index + 1).SerializeToString() for index, data in enumerate(batch)]
+    call = channel.stream_stream("/gradq.v1.Aggregator/PushPullStream")(iter(sent), timeout=30)
+    answered = []
+    for data in call:  # the call itself must end OK: every refusal is an answer, the stream goes on
+        answer = pb.PushPullResponse.FromString(data)
+        answered.append(answer.sequence)
+        code = STATUS_CODES[answer.code]
+        assert code in EXPECTED, (code, answer.details)
+        if code != grpc.StatusCode.OK:
+            assert answer.details.isprintable() and 10 < len(answer.details) < 600, answer.details
+            assert not answer.HasField("mean")
+    assert sorted(answered) == list(range(1, len(sent) + 1))
 
 
 def test_server_still_averages_exactly_after_the_fuzzing(target: tuple[AggregatorServer, grpc.Channel]) -> None:
