@@ -731,8 +731,8 @@ def format_table(rows: Sequence[Row]) -> str:
         "| bits | transport | W | shards | rounds/s | wire MB/push (in+out) | aggregator CPU ms/push | "
         "**GB/s of wire per aggregator CPU-s** | bare gRPC floor ms/push | gradq's own ms/push | "
         "GB/s of wire (wall) | GB/s fp32 aggregated | aggregator cores busy | workers cores busy | "
-        "RSS before 1st push MB | RSS after warm-up MB | peak RSS MB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "workers CPU ms/push | RSS before 1st push MB | RSS after warm-up MB | peak RSS MB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         floor = row.floor_ms_per_push
@@ -741,7 +741,8 @@ def format_table(rows: Sequence[Row]) -> str:
             f"| {row.bits} | {row.transport} | {row.world_size} | {row.shards} | {row.rounds_per_s:.2f} | "
             f"{(row.request_bytes + row.response_bytes) / MB:.3f} | {row.cpu_ms_per_push:.3f} | "
             f"**{row.wire_gb_per_cpu_s:.3f}** {floor_cells} {row.wire_gbps:.3f} | {row.gbps:.2f} | "
-            f"{row.server_cores:.2f} | {row.client_cores:.2f} | {row.baseline_rss / MB:.0f} | "
+            f"{row.server_cores:.2f} | {row.client_cores:.2f} | {MS * row.client_cpu_s / row.pushes:.3f} | "
+            f"{row.baseline_rss / MB:.0f} | "
             f"{row.warm_rss / MB:.0f} | {row.peak_rss / MB:.0f} |"
         )
     return "\n".join(lines)
@@ -855,7 +856,8 @@ def run(args: argparse.Namespace) -> None:
         "\nWire = each push's request + response protobuf bytes (1 MB = 1e6 B, 1 GB = 1e9 B), without gRPC/HTTP2 "
         "framing. Aggregator CPU = user + system seconds of all shard processes over the timed rounds (process CPU "
         "time, not wall time: the machine's cores are shared); GB/s of wire per aggregator CPU-s = wire bytes / "
-        "those seconds. Cores busy = CPU seconds / wall seconds, of the shards and of this process (all W workers). "
+        "those seconds. Cores busy = CPU seconds / wall seconds, of the shards and of this process (all W workers); "
+        "workers CPU ms/push = this process's CPU per push (sending, receiving, no codec work). "
         "GB/s fp32 = W x S x 4 B x numel x rounds / wall s. Bare gRPC floor (--floor): the same pushes, timed "
         "right after, on grpc.aio servers that only park each round's calls and answer a canned mean; gradq's own "
         "= aggregator - floor: parsing, checks, digest, round table, decode-accumulate, re-encode, hops.\n"
