@@ -290,9 +290,11 @@ class AggregatorServicer:
                 read_all = read_all or answer.end
                 if not answer.data:
                     continue  # the end of the requests, or the server stopping: check again
-                yield answer.data
-                if answer.slot is not None:
-                    self.waiting.release(*answer.slot)
+                try:
+                    yield answer.data
+                finally:  # written, or the call ended while it was being written
+                    if answer.slot is not None:
+                        self.waiting.release(*answer.slot)
                 unanswered -= 1
                 room.release()
         finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -20,20 +19,12 @@ from gradq.server.policy import RoundPolicy
 INT4 = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=4, channel_size=64)
 
 
-@pytest.fixture
-def server() -> Iterator[AggregatorServer]:
-    started = AggregatorServer(RoundPolicy(round_timeout_s=60.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
-    started.start()
-    yield started
-    started.stop()
-
-
 def gradient(rank: int, step: int) -> np.ndarray:
     return np.random.default_rng([rank, step]).normal(0, 1e-2, 4096).astype(np.float32)
 
 
-def test_a_streamed_rank_and_a_unary_rank_get_the_same_means_every_step(server: AggregatorServer) -> None:
-    address = f"127.0.0.1:{server.port}"
+def test_a_streamed_rank_and_a_unary_rank_get_the_same_means_every_step(aggregator: AggregatorServer) -> None:
+    address = f"127.0.0.1:{aggregator.port}"
     clients = [
         WorkerClient(address, "mixed", rank, 2, INT4, error_feedback=True, push_stream=rank == 0) for rank in range(2)
     ]
@@ -50,13 +41,13 @@ def test_a_streamed_rank_and_a_unary_rank_get_the_same_means_every_step(server: 
                 np.testing.assert_array_equal(a, b)
     assert isinstance(clients[0]._sender.transports[0], PushStream)
     assert isinstance(clients[1]._sender.transports[0], UnaryPushes)
-    assert server.table.counters["contributions"] == 2 * 2 * 5
+    assert aggregator.table.counters["contributions"] == 2 * 2 * 5
     for client in clients:
         client.close()
 
 
-def test_a_push_not_answered_in_time_fails_and_the_next_one_is_answered(server: AggregatorServer) -> None:
-    address = f"127.0.0.1:{server.port}"
+def test_a_push_not_answered_in_time_fails_and_the_next_one_is_answered(aggregator: AggregatorServer) -> None:
+    address = f"127.0.0.1:{aggregator.port}"
     late = WorkerClient(address, "late", 0, 2, INT4, timeout_s=0.5, max_retries=0)
     other = WorkerClient(address, "late", 1, 2, INT4)
     late.join()
@@ -65,18 +56,18 @@ def test_a_push_not_answered_in_time_fails_and_the_next_one_is_answered(server: 
         late.push_pull(0, 0, gradient(0, 0))
     # Its push stayed counted: rank 1 completes the round, and rank 0's late answer is dropped unread.
     other.push_pull(0, 0, gradient(1, 0))
-    assert server.table.counters["contributions"] == 2
+    assert aggregator.table.counters["contributions"] == 2
     # The stream goes on: both ranks get step 1's mean.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         means = list(pool.map(lambda rank: (late, other)[rank].push_pull(1, 0, gradient(rank, 1)), range(2)))
     np.testing.assert_array_equal(means[0], means[1])
-    assert server.table.counters["contributions"] == 4
+    assert aggregator.table.counters["contributions"] == 4
     late.close()
     other.close()
 
 
-def test_close_fails_a_waiting_streamed_push_at_once(server: AggregatorServer) -> None:
-    client = WorkerClient(f"127.0.0.1:{server.port}", "closing", 0, 2, INT4)
+def test_close_fails_a_waiting_streamed_push_at_once(aggregator: AggregatorServer) -> None:
+    client = WorkerClient(f"127.0.0.1:{aggregator.port}", "closing", 0, 2, INT4)
     client.join()
     waiting = client.push_pull_async(0, 0, gradient(0, 0))
     client.close()
