@@ -514,7 +514,7 @@ class WorkerClient:
         dtype: str | None = None,
         config: QuantConfig | None = None,
     ) -> concurrent.futures.Future[Any]:
-        """Like ``push_pull`` but returns at once; the gRPC completion callbacks fill the future.
+        """Like ``push_pull`` but returns at once; the answers, as they arrive, fill the future.
 
         Quantization happens on the calling thread before this returns, so the
         caller may reuse ``array`` immediately. A bucket larger than

@@ -3,8 +3,8 @@
 A thin adapter over a gradq session (gradq.client.session): the state holds the
 configuration, the step and what an elastic joiner receives; the session,
 connected on the first bucket (or at ``start()``), does the rest. The hook
-hands each bucket to the session and returns its future at once; the gRPC
-completion callbacks fill it with the averaged bucket.
+hands each bucket to the session and returns its future at once; the thread
+that reads each answer fills it with the averaged bucket.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
@@ -373,7 +373,7 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         bucket: DDP's flattened gradient bucket (fp32, fp16 or bf16; CPU or CUDA).
 
     Returns:
-        A future DDP waits on, completed by the gRPC callback with the mean
+        A future DDP waits on, completed by the thread reading the answer with the mean
         bucket (same shape, dtype and device as ``bucket.buffer()``). A failed
         round makes ``backward()`` raise its AggregationError (see
         gradq.client.session.failures).

@@ -320,7 +320,7 @@ def _push_alone(
     codec: str,
     sender: concurrent.futures.Executor,
 ) -> torch.futures.Future[torch.Tensor]:
-    """A rank alone on its host pushes every piece itself; the gRPC callbacks complete the future.
+    """A rank alone on its host pushes every piece itself; the answers' callbacks complete the future.
 
     Its segments cover the whole tensor. An fp32 tensor's mean is decoded
     straight into it, as allreduce would; no thread waits for the answer.
