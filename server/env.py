@@ -68,11 +68,12 @@ SERVE_ENVIRONMENT = {
     "member ids and a job's Watch streams too",
     "GRADQ_JOB_IDLE_TIMEOUT": "seconds without a Join, PushPull or Leave after which a job is forgotten (its rounds "
     "fail)",
-    "GRADQ_MAX_WAITING_PER_JOB": "PushPull calls of one job waiting for their rounds at once; past it, "
-    "RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WAITING_PER_PEER": "PushPull calls from one client host waiting at once; past it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WAITING_CALLS": "PushPull calls waiting at once in all (each holds no thread, ~25 KB); past it, "
-    "RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WAITING_PER_JOB": "pushes of one job waiting for their rounds at once (PushPull calls, and pushes on "
+    "streams until their answers are written); past it, RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WAITING_PER_PEER": "pushes from one client host waiting at once (calls and pushes on streams); past "
+    "it, RESOURCE_EXHAUSTED",
+    "GRADQ_MAX_WAITING_CALLS": "pushes waiting at once in all, calls and pushes on streams (each holds no thread, "
+    "~25 KB); past it, RESOURCE_EXHAUSTED",
     "GRADQ_MAX_WATCHES": "Watch streams open at once (one per joined rank, no thread each): past it a rank's loss "
     "is found at the round deadline",
     "GRADQ_MAX_MESSAGE_BYTES": "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)",

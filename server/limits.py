@@ -46,9 +46,9 @@ class ServiceLimits:
             round past it is refused.
         max_job_memory_bytes: the most of that one job may hold, so a job that
             opens rounds it never completes cannot take the budget from the others.
-        max_waiting_per_job: PushPull calls of one job waiting for rounds at once.
-        max_waiting_per_peer: PushPull calls from one client host waiting at once.
-        max_waiting_calls: PushPull calls waiting at once in all. A waiting call
+        max_waiting_per_job: pushes (calls or on streams) of one job waiting for rounds at once.
+        max_waiting_per_peer: pushes from one client host waiting at once.
+        max_waiting_calls: pushes waiting at once in all. A waiting call
             holds no thread, only its coroutine and gRPC's call state (about
             25 KB with a small round of its own, measured), so this bounds memory.
         max_watches: Watch streams open at once in all (one per joined rank:

@@ -155,7 +155,7 @@ class AggregatorServicer:
 
     Args:
         table: the round logic.
-        waiting: caps on PushPull calls waiting for their rounds.
+        waiting: caps on pushes waiting for their rounds.
         liveness: the Watch streams, whose unannounced end loses a rank.
         membership_observer: told (job id, event, members training) on every
             change of an elastic job's members (the metrics); from any thread.

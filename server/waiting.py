@@ -1,4 +1,4 @@
-"""Caps on PushPull calls waiting for their rounds, per job, per client host and in all.
+"""Caps on pushes waiting for their rounds (PushPull calls, pushes on streams), per job, per client host and in all.
 
 A waiting PushPull holds no thread (it waits on the server's event loop),
 but it does hold its coroutine and gRPC's call state until its round ends or
@@ -54,17 +54,17 @@ class WaitingCalls:
         with self._lock:
             if self._count >= self.total:
                 raise ResourceExhaustedError(
-                    f"{self._count} PushPull calls are waiting on this aggregator, its limit "
+                    f"{self._count} pushes are waiting on this aggregator, its limit "
                     f"(--max-waiting-calls={self.total}); retry later"
                 )
             if self._jobs[job_id] >= self.per_job:
                 raise ResourceExhaustedError(
-                    f"job {job_id[:64]!r} has {self._jobs[job_id]} PushPull calls waiting, its limit "
+                    f"job {job_id[:64]!r} has {self._jobs[job_id]} pushes waiting, its limit "
                     f"(--max-waiting-per-job={self.per_job}); retry when its rounds finish"
                 )
             if self._peers[peer] >= self.per_peer:
                 raise ResourceExhaustedError(
-                    f"client {peer} has {self._peers[peer]} PushPull calls waiting, its limit "
+                    f"client {peer} has {self._peers[peer]} pushes waiting, its limit "
                     f"(--max-waiting-per-peer={self.per_peer}); retry when its rounds finish"
                 )
             self._count += 1
