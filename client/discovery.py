@@ -53,7 +53,7 @@ def discover_shards(
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.UNIMPLEMENTED:
             return [address]  # a server from before the Shards RPC: one shard
-        raise AggregationError(address, error.code(), error.details() or "") from None
+        raise AggregationError.of_call(address, error) from None
     group = resolve_group(address, list(response.addresses))
     if len(group) > 1:
         log.info("aggregator %s is shard %d of %d: %s", address, group.index(address), len(group), ",".join(group))

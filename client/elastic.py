@@ -72,7 +72,7 @@ def fetch_state(stub: Any, address: str, request: pb.StateRequest, timeout_s: fl
             first = first or chunk
             parts.append(chunk.data)
     except grpc.RpcError as error:
-        raise AggregationError(address, error.code(), f"receiving the training state: {error.details()}") from None
+        raise AggregationError.of_call(address, error, "receiving the training state") from None
     data = b"".join(parts)
     if first is None or len(data) != first.total_bytes:
         announced = first.total_bytes if first is not None else "?"
@@ -107,5 +107,5 @@ def send_state(
     try:
         response = stub.PutState(chunks(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as error:
-        raise AggregationError(address, error.code(), f"sending the training state: {error.details()}") from None
+        raise AggregationError.of_call(address, error, "sending the training state") from None
     return int(response.relayed_bytes)

@@ -42,12 +42,13 @@ _ENDED = (grpc.StatusCode.UNAVAILABLE, "the aggregator ended the push stream bef
 class StreamedReply:
     """One push's answer on a stream: the part of ``grpc.Future``'s interface ``ShardSender`` reads."""
 
-    __slots__ = ("_callbacks", "_code", "_data", "_details", "_lock")
+    __slots__ = ("_callbacks", "_code", "_data", "_details", "_lock", "_refusal")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self._refusal = ""
         self._data = b""
         self._callbacks: list[Callable[[StreamedReply], None]] = []
 
@@ -56,6 +57,10 @@ class StreamedReply:
 
     def details(self) -> str:
         return self._details
+
+    def refusal(self) -> str:
+        """Why the aggregator refused the push (a proto Refusal's name, ``"NOT_JOINED"``); "" for none."""
+        return self._refusal
 
     def result(self) -> bytes:
         """The PushPullResponse's bytes (for an answer with code OK)."""
@@ -69,12 +74,12 @@ class StreamedReply:
                 return
         self._run(callback)
 
-    def settle(self, code: grpc.StatusCode, details: str, data: bytes = b"") -> bool:
+    def settle(self, code: grpc.StatusCode, details: str, data: bytes = b"", refusal: str = "") -> bool:
         """Settle once; False if it already was."""
         with self._lock:
             if self._code is not None:
                 return False
-            self._code, self._details, self._data = code, details, data
+            self._code, self._details, self._data, self._refusal = code, details, data, refusal
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             self._run(callback)
@@ -124,15 +129,17 @@ class _Call:
 
     def _read(self) -> None:
         code, details = _ENDED
+        refusal = ""
         try:
             for data in self.call:
-                sequence, answer_code, answer_details = serde.stream_answer_of(data)
+                sequence, answer_code, answer_details, refusal = serde.stream_answer_of(data)
                 with self.lock:
                     reply = self.unanswered.pop(sequence, None)
                 if reply is not None:  # None: answered after its deadline, or not this client's sequence
-                    reply.settle(answer_code, answer_details, data)
+                    reply.settle(answer_code, answer_details, data, refusal)
         except grpc.RpcError as error:
             code, details = error.code(), error.details() or ""
+            refusal = serde.refusal_of_metadata(error.trailing_metadata())
         except ValueError as error:  # a malformed answer: the call cannot be trusted to name pushes
             code, details = grpc.StatusCode.INTERNAL, f"malformed PushPullStream answer: {error}"
             self.call.cancel()
@@ -141,7 +148,7 @@ class _Call:
             unanswered, self.unanswered = self.unanswered, {}
         self._outbox.put(None)  # gRPC's sending thread ends too
         for reply in unanswered.values():
-            reply.settle(code, details)
+            reply.settle(code, details, refusal=refusal)
 
 
 class _Deadlines:

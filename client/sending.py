@@ -38,14 +38,34 @@ log = logging.getLogger(__name__)
 
 
 class AggregationError(RuntimeError):
-    """A call to an aggregator that produced no mean; says which aggregator and why."""
+    """A call to an aggregator that produced no mean; says which aggregator and why.
 
-    def __init__(self, address: str, code: grpc.StatusCode | None, details: str) -> None:
+    ``refusal`` is the aggregator's reason (a proto Refusal's name: ``"NOT_JOINED"``, ``"LOST"``, ...; "" for
+    none): what a client decides on, never ``details``, which are for people.
+    """
+
+    def __init__(self, address: str, code: grpc.StatusCode | None, details: str, refusal: str = "") -> None:
         status = code.name if code is not None else "BAD_RESPONSE"
         super().__init__(f"aggregator {address}: {status}: {details}")
         self.address = address
         self.code = code
         self.details = details
+        self.refusal = refusal
+
+    @classmethod
+    def of_call(cls, address: str, error: Any, context: str = "") -> AggregationError:
+        """The error of a failed call (a ``grpc.RpcError``, or a push's reply), its refusal read off it."""
+        details = error.details() or ""
+        return cls(address, error.code(), f"{context}: {details}" if context else details, refusal_of(error))
+
+
+def refusal_of(call: Any) -> str:
+    """The refusal an ended call carries: a streamed push's own, or a call's trailing metadata's ("" if none)."""
+    reading = getattr(call, "refusal", None)
+    if callable(reading):
+        return str(reading())
+    metadata = getattr(call, "trailing_metadata", None)
+    return serde.refusal_of_metadata(metadata() if callable(metadata) else None)
 
 
 class Reply(Protocol):
@@ -116,8 +136,8 @@ class ShardSender:
         window: pushes per shard on the wire at once.
         stats: records every mean pulled.
         rejoin: joins a shard again (a restarted aggregator forgot the job); raises AggregationError.
-        lost_self: whether a refusal's details say the aggregator counts this very
-            rank lost (it was silent past the keepalive): the push then rejoins
+        lost_self: whether a refusal's reason (gradq.client.serde.refusal_name) says the aggregator counts this
+            very rank lost (it was silent past the keepalive): the push then rejoins
             and is sent again, as after a restart.
     """
 
@@ -131,7 +151,7 @@ class ShardSender:
         window: ShardWindow[PendingPush],
         stats: StatsRecorder,
         rejoin: Callable[[int], None],
-        lost_self: Callable[[str], bool] = lambda details: False,
+        lost_self: Callable[[str], bool] = lambda refusal: False,
     ) -> None:
         self.addresses = list(addresses)
         self.transports = list(transports)
@@ -240,16 +260,18 @@ class ShardSender:
                 )
             pending.result.set_result(pending.out.reshape(pending.shape))
         elif (
-            code == grpc.StatusCode.ABORTED
-            and pending.attempt < self.max_retries
-            and self._lost_self(call.details() or "")
+            code == grpc.StatusCode.ABORTED and pending.attempt < self.max_retries and self._lost_self(refusal_of(call))
         ):
             pending.attempt += 1  # back after a silence the aggregator took for a loss: rejoin, send again
             log.warning("aggregator %s counted this rank lost; rejoining: %s", address, call.details())
             timer = threading.Timer(0.0, self._retry, (pending,))
             timer.daemon = True
             timer.start()
-        elif code == grpc.StatusCode.FAILED_PRECONDITION and pending.attempt < self.max_retries and _forgot_job(call):
+        elif (
+            code == grpc.StatusCode.FAILED_PRECONDITION
+            and pending.attempt < self.max_retries
+            and refusal_of(call) == "UNKNOWN_JOB"
+        ):
             # The aggregator restarted between two pushes (it was back before the next one, so the push was
             # refused, not unavailable): it holds no job of this id. Rejoin and send again, as after an outage.
             pending.attempt += 1
@@ -272,7 +294,7 @@ class ShardSender:
             details = call.details() or ""
             if code == grpc.StatusCode.UNAVAILABLE:
                 details = self._unreachable(pending, details)
-            failure = AggregationError(address, code, details)
+            failure = AggregationError(address, code, details, refusal_of(call))
             if code == grpc.StatusCode.UNAVAILABLE:
                 self._shard_down(pending.shard, failure)
             pending.result.set_exception(failure)
@@ -302,8 +324,3 @@ class ShardSender:
             pending.result.set_exception(failure)
             return
         self._transmit(pending)  # still holding its window slot; a failure settles it
-
-
-def _forgot_job(call: Reply) -> bool:
-    """A refusal saying the aggregator holds no job of this id (gradq.server.jobs: ``JobTable.member``)."""
-    return "has no joined ranks; call Join first" in (call.details() or "")

@@ -6,11 +6,13 @@ The only client module that builds or reads ``_pb2`` messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
+from gradq.proto.transport import REFUSAL_METADATA_KEY
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
@@ -19,6 +21,8 @@ __all__ = [
     "PulledMean",
     "push_pull_request",
     "mean_from_bytes",
+    "refusal_name",
+    "refusal_of_metadata",
     "stream_answer_of",
     "join_request",
     "leave_request",
@@ -150,8 +154,10 @@ def push_pull_request(
     return serialize_with_tensor(request, "tensor", tensor)
 
 
-def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str]:
-    """(sequence, status, details) of a PushPullStream answer; the mean itself is read by ``mean_from_bytes``.
+def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str, str]:
+    """(sequence, status, details, refusal) of a PushPullStream answer; the mean is read by ``mean_from_bytes``.
+
+    The refusal is the reason's name (``"NOT_JOINED"``, see ``refusal_name``), "" when none was given.
 
     Raises:
         ValueError: the bytes are not a PushPullResponse.
@@ -160,7 +166,23 @@ def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str]:
         response, _ = parse_with_tensor(data, pb.PushPullResponse, "mean")
     except DecodeError as error:
         raise ValueError(f"answer is not a gradq.v1.PushPullResponse: {error}") from None
-    return response.sequence, _STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.details
+    code = _STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN)
+    return response.sequence, code, response.details, refusal_name(response.refusal)
+
+
+def refusal_name(value: int) -> str:
+    """The name of a proto Refusal value without its prefix (``"NOT_JOINED"``); "" for none or an unknown one."""
+    if not value or value not in pb.Refusal.values():
+        return ""
+    return pb.Refusal.Name(value).removeprefix("REFUSAL_")
+
+
+def refusal_of_metadata(metadata: Any) -> str:
+    """The refusal a call's trailing metadata names (``"NOT_JOINED"``), "" when it names none."""
+    for key, value in metadata or ():
+        if key == REFUSAL_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return ""
 
 
 def mean_from_bytes(data: bytes, numel: int) -> PulledMean:

@@ -297,7 +297,7 @@ class WorkerClient:
         try:
             response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise AggregationError(self.addresses[shard], error.code(), error.details() or "") from None
+            raise AggregationError.of_call(self.addresses[shard], error) from None
         if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
             self.rank, self.catch_up = response.rank, response.catch_up
             self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, self.rank])
@@ -361,9 +361,9 @@ class WorkerClient:
                 call.details(),
             )
 
-    def _counted_lost(self, details: str) -> bool:
+    def _counted_lost(self, refusal: str) -> bool:
         """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
-        return not self.elastic and f"rank {self.rank} was lost" in (details or "")
+        return not self.elastic and refusal == "LOST"
 
     def _rejoin_after_cut(self, shard: int) -> None:
         try:
@@ -452,7 +452,7 @@ class WorkerClient:
         try:
             answer = self._stubs[0].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise AggregationError(self.addresses[0], error.code(), error.details() or "") from None
+            raise AggregationError.of_call(self.addresses[0], error) from None
         return answer.matched, answer.step, answer.parameters, answer.momentum
 
     def close(self) -> None:

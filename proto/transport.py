@@ -19,7 +19,16 @@ import socket
 import ssl
 import sys
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "MAX_STATE_CHUNK_BYTES", "channel_options", "keep_large_buffers", "speaks_tls"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_DETAILS_CHARACTERS",
+    "MAX_STATE_CHUNK_BYTES",
+    "REFUSAL_METADATA_KEY",
+    "bounded_details",
+    "channel_options",
+    "keep_large_buffers",
+    "speaks_tls",
+]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +38,20 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # StateChunk.data's limit (the .proto says it, tests/proto/test_comments.py holds it to this): the
 # aggregator refuses a larger chunk, and a sender cuts the state into chunks of this size.
 MAX_STATE_CHUNK_BYTES = 1 << 20
+# The trailing metadata key that carries a refusal's reason (the proto enum Refusal's value name, without
+# its prefix): clients decide on it, never on the details' prose.
+REFUSAL_METADATA_KEY = "gradq-refusal"
+# The most characters of a refusal's details: enough for every message gradq writes, and a cap on what a
+# refusal that quotes a request field (a job id, a signature line) can cost while it waits to be read.
+MAX_DETAILS_CHARACTERS = 2048
+
+
+def bounded_details(details: str) -> str:
+    """``details`` cut to ``MAX_DETAILS_CHARACTERS``, saying how much was left out."""
+    if len(details) <= MAX_DETAILS_CHARACTERS:
+        return details
+    return f"{details[: MAX_DETAILS_CHARACTERS - 40]} ... ({len(details) - MAX_DETAILS_CHARACTERS + 40} more)"
+
 
 # glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit.
 _M_TRIM_THRESHOLD = -1

@@ -5,7 +5,10 @@ The round logic stays free of grpc; the servicer turns ``code`` into a status.
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
+    "Refusal",
     "RoundError",
     "InvalidArgumentError",
     "FailedPreconditionError",
@@ -17,10 +20,32 @@ __all__ = [
 ]
 
 
+class Refusal(enum.Enum):
+    """Why a call was refused, as the client acts on it; mirrors the proto enum Refusal (parity-tested).
+
+    The servicer sends the name as the trailing metadata ``gradq-refusal`` (and
+    in a stream's in-band refusal), so no client decision reads the message.
+    """
+
+    UNSPECIFIED = 0
+    UNKNOWN_JOB = 1
+    NOT_JOINED = 2
+    PENDING = 3
+    LOST = 4
+    LATE = 5
+    ANOTHER_RUN = 6
+    MODEL_MISMATCH = 7
+    BEHIND = 8
+
+
 class RoundError(Exception):
-    """Base class: ``code`` is the name of a ``grpc.StatusCode``."""
+    """Base class: ``code`` is the name of a ``grpc.StatusCode``; ``refusal`` says why, for the client."""
 
     code = "INTERNAL"
+
+    def __init__(self, message: str = "", refusal: Refusal = Refusal.UNSPECIFIED) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class InvalidArgumentError(RoundError):

@@ -21,6 +21,7 @@ from gradq.server.budget import MemoryAccount
 from gradq.server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    Refusal,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -264,25 +265,29 @@ class JobTable:
         Raises:
             FailedPreconditionError: unknown job, another incarnation, or a rank that has not joined.
         """
+        _check_job_id(job_id)  # before it is quoted: a refusal must not cost what a long id would
         job = self._jobs.get(job_id)
         if job is None:
-            raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first")
+            raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first", Refusal.UNKNOWN_JOB)
         if job.incarnation != incarnation:
             raise FailedPreconditionError(
                 f"{describe_incarnation(incarnation)} does not match the current run of job {job_id!r}, "
-                f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)"
+                f"{describe_incarnation(job.incarnation)}; Join with the current incarnation (a new one starts fresh)",
+                Refusal.ANOTHER_RUN,
             )
         members = job.members
         late = late_step >= 0 and members.late.get(rank) == late_step  # a late member's other pushes
         if members.is_pending(rank) and not pending_ok and not late:
             raise FailedPreconditionError(
                 f"member {rank} of elastic {job.describe()} is pending: it trains from the step at which a "
-                f"live member sends it the state (FetchState), not before"
+                f"live member sends it the state (FetchState), not before",
+                Refusal.PENDING,
             )
         if not members.holds(rank, pending_ok=True):
             raise FailedPreconditionError(
                 f"rank={rank} has not joined {job.describe()} ({len(members.joined)} of {job.world_size} ranks "
-                f"joined); call Join first"
+                f"joined); call Join first",
+                Refusal.NOT_JOINED,
             )
         job.last_active = now
         return job

@@ -25,6 +25,7 @@ from gradq.server.errors import (
     CancelledError,
     FailedPreconditionError,
     InvalidArgumentError,
+    Refusal,
     ResourceExhaustedError,
     RoundAbortedError,
     UnavailableError,
@@ -286,7 +287,8 @@ class RoundTable:
             if loss and (rnd is None or not rnd.done.is_set()):
                 raise RoundAbortedError(
                     f"round (job={job_id!r}, step={step}, bucket={bucket}) cannot complete: rank {loss[0]} was lost "
-                    f"({loss[1]}); restart the job (a new incarnation) or rejoin that rank"
+                    f"({loss[1]}); restart the job (a new incarnation) or rejoin that rank",
+                    Refusal.LOST if loss[0] == rank else Refusal.UNSPECIFIED,
                 )
             if rnd is None:
                 rnd = self._open_round(job, step, bucket, tensor)
@@ -570,12 +572,13 @@ class RoundTable:
 
 def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
     if rnd.error is not None:
-        raise type(rnd.error)(str(rnd.error))
+        raise type(rnd.error)(str(rnd.error), getattr(rnd.error, "refusal", Refusal.UNSPECIFIED))
     assert rnd.result is not None
     if rank in rnd.late:
         raise FailedPreconditionError(
             f"member {rank} was late for {rnd.describe(job_id)}, which closed on its quorum without it: its push "
-            f"is merged into the next round, and it is pending until the next outer-round boundary (FetchState)"
+            f"is merged into the next round, and it is pending until the next outer-round boundary (FetchState)",
+            Refusal.LATE,
         )
     if rank not in rnd.result.contributors:
         raise FailedPreconditionError(

@@ -12,6 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
+from gradq.proto.transport import bounded_details
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
@@ -109,9 +110,14 @@ def streamed_answer(packaged: bytes, sequence: int) -> bytes:
     return packaged + pb.PushPullResponse(sequence=sequence).SerializeToString()
 
 
-def streamed_refusal(sequence: int, code: int, details: str) -> bytes:
-    """The answer to a PushPullStream push refused with status ``code`` (a google.rpc.Code): no mean."""
-    return pb.PushPullResponse(sequence=sequence, code=code, details=details).SerializeToString()
+def streamed_refusal(sequence: int, code: int, details: str, refusal: int = 0) -> bytes:
+    """The answer to a PushPullStream push refused with status ``code`` (a google.rpc.Code): no mean.
+
+    The details are cut to ``MAX_DETAILS_CHARACTERS``: a stream may hold many refusals its client has not
+    read yet, and none may cost more than a line because a request field was long.
+    """
+    response = pb.PushPullResponse(sequence=sequence, code=code, details=bounded_details(details), refusal=refusal)
+    return response.SerializeToString()
 
 
 def result_to_bytes(result: RoundResult) -> bytes:

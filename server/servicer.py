@@ -23,11 +23,12 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
+from gradq.proto.transport import REFUSAL_METADATA_KEY, bounded_details
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.server import outer_service, serde
 from gradq.server.auth import check_scope, scoped_rank
-from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
+from gradq.server.errors import InvalidArgumentError, Refusal, ResourceExhaustedError, RoundError, UnavailableError
 from gradq.server.jobs import Job
 from gradq.server.liveness import Liveness
 from gradq.server.membership import ANY_RANK
@@ -329,7 +330,9 @@ class AggregatorServicer:
             answer, slot = _Streamed(serde.streamed_answer(result.packaged, sequence), slot=slot), None
             return answer
         except RoundError as error:
-            return _Streamed(serde.streamed_refusal(sequence, _status_code(error.code), str(error)))
+            return _Streamed(
+                serde.streamed_refusal(sequence, _status_code(error.code), str(error), error.refusal.value)
+            )
         except Exception as error:  # a bug: answer as gRPC answers a unary handler's, and keep the stream
             log.exception("PushPullStream push %d failed", sequence)
             details = f"{type(error).__name__}: {error}"
@@ -583,5 +586,7 @@ def _status_code(name: str) -> int:
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: RoundError) -> NoReturn:
-    await context.abort(grpc.StatusCode[error.code], str(error))
+    if error.refusal is not Refusal.UNSPECIFIED:  # the client decides on the reason, never on the message
+        context.set_trailing_metadata(((REFUSAL_METADATA_KEY, error.refusal.name),))
+    await context.abort(grpc.StatusCode[error.code], bounded_details(str(error)))
     raise AssertionError("context.abort returned")  # abort always raises

@@ -486,8 +486,7 @@ class _GlobalState:
 
 def _late(error: AggregationError) -> bool:
     """The aggregator closed a semi-synchronous round without this host and merged its push into the next."""
-    code = error.code.name if error.code is not None else ""
-    return code == "FAILED_PRECONDITION" and " was late for " in error.details
+    return error.refusal == "LATE"
 
 
 def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:

@@ -55,6 +55,11 @@ MAX_SIGNATURE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
+# The refusals that say the aggregator no longer counts this host a member training: it is not one (dropped
+# while silent), it waits for the state, or the job's run there is another (a restarted shard resumed by the
+# hosts that hold the job). Each is answered the same way: a Join as a joiner, which takes the state.
+_DROPPED_REFUSALS = frozenset({"NOT_JOINED", "PENDING", "ANOTHER_RUN"})
+
 
 def check_shareable(objects: Sequence[Any]) -> list[Any]:
     """The objects whose state a joiner receives, each checked to have state_dict / load_state_dict.
@@ -177,5 +182,4 @@ def dropped_from_job(error: BaseException) -> bool:
     """
     if not isinstance(error, AggregationError):
         return False
-    code = error.code.name if error.code is not None else ""
-    return code == "FAILED_PRECONDITION" and ("has not joined" in error.details or "is pending" in error.details)
+    return error.refusal in _DROPPED_REFUSALS

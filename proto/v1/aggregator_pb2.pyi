@@ -17,6 +17,24 @@ class Scheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEME_PER_CHANNEL_AFFINE: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_SYMMETRIC: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_SIGN: _ClassVar[Scheme]
+
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    REFUSAL_UNKNOWN_JOB: _ClassVar[Refusal]
+    REFUSAL_NOT_JOINED: _ClassVar[Refusal]
+    REFUSAL_PENDING: _ClassVar[Refusal]
+    REFUSAL_LOST: _ClassVar[Refusal]
+    REFUSAL_LATE: _ClassVar[Refusal]
+    REFUSAL_ANOTHER_RUN: _ClassVar[Refusal]
+    REFUSAL_MODEL_MISMATCH: _ClassVar[Refusal]
+    REFUSAL_BEHIND: _ClassVar[Refusal]
+
+class MemberRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMBER_ROLE_STARTING: _ClassVar[MemberRole]
+    MEMBER_ROLE_JOINING: _ClassVar[MemberRole]
+    MEMBER_ROLE_RESUMING: _ClassVar[MemberRole]
 SCHEME_UNSPECIFIED: Scheme
 SCHEME_FLOAT32: Scheme
 SCHEME_FLOAT16: Scheme
@@ -25,6 +43,18 @@ SCHEME_PER_TENSOR_SYMMETRIC: Scheme
 SCHEME_PER_CHANNEL_AFFINE: Scheme
 SCHEME_PER_CHANNEL_SYMMETRIC: Scheme
 SCHEME_PER_CHANNEL_SIGN: Scheme
+REFUSAL_UNSPECIFIED: Refusal
+REFUSAL_UNKNOWN_JOB: Refusal
+REFUSAL_NOT_JOINED: Refusal
+REFUSAL_PENDING: Refusal
+REFUSAL_LOST: Refusal
+REFUSAL_LATE: Refusal
+REFUSAL_ANOTHER_RUN: Refusal
+REFUSAL_MODEL_MISMATCH: Refusal
+REFUSAL_BEHIND: Refusal
+MEMBER_ROLE_STARTING: MemberRole
+MEMBER_ROLE_JOINING: MemberRole
+MEMBER_ROLE_RESUMING: MemberRole
 
 class QuantizedTensor(_message.Message):
     __slots__ = ("scheme", "bits", "numel", "channel_size", "scale", "zero_point", "payload", "dtype")
@@ -47,7 +77,7 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +89,7 @@ class JoinRequest(_message.Message):
     MODEL_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     SEMI_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -70,7 +101,8 @@ class JoinRequest(_message.Message):
     model_signature: str
     outer_step: OuterStep
     semi_sync: SemiSync
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ...) -> None: ...
+    role: MemberRole
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ..., role: _Optional[_Union[MemberRole, str]] = ...) -> None: ...
 
 class SemiSync(_message.Message):
     __slots__ = ("quorum", "grace_s")
@@ -127,7 +159,7 @@ class PushPullRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details")
+    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details", "refusal")
     MEAN_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +168,7 @@ class PushPullResponse(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     mean: QuantizedTensor
     contributors: int
     partial: bool
@@ -144,7 +177,8 @@ class PushPullResponse(_message.Message):
     sequence: int
     code: int
     details: str
-    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    refusal: Refusal
+    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., refusal: _Optional[_Union[Refusal, str]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation")
