@@ -270,12 +270,15 @@ class ShardSender:
         elif (
             code == grpc.StatusCode.FAILED_PRECONDITION
             and pending.attempt < self.max_retries
-            and refusal_of(call) == "UNKNOWN_JOB"
+            and refusal_of(call) in ("UNKNOWN_JOB", "NOT_JOINED", "ANOTHER_RUN")
         ):
             # The aggregator restarted between two pushes (it was back before the next one, so the push was
-            # refused, not unavailable): it holds no job of this id. Rejoin and send again, as after an outage.
+            # refused, not unavailable): it holds no run of this job, or one another host started there without
+            # this member (a run that never trained yields to this member's, which has). Rejoin and send again,
+            # as after an outage; the Join is refused where the aggregator dropped this member (NOT_JOINED) or
+            # runs a run that trained without it (ANOTHER_RUN), and that refusal is the push's.
             pending.attempt += 1
-            log.warning("aggregator %s does not know this job (restarted); rejoining: %s", address, call.details())
+            log.warning("aggregator %s does not hold this member (restarted?); rejoining: %s", address, call.details())
             timer = threading.Timer(0.0, self._retry, (pending,))
             timer.daemon = True
             timer.start()
@@ -316,7 +319,9 @@ class ShardSender:
         try:
             self._rejoin(pending.shard)
         except (AggregationError, ValueError) as error:  # ValueError: the channel closed meanwhile
-            if isinstance(error, AggregationError):
+            if isinstance(error, AggregationError) and error.code != grpc.StatusCode.UNAVAILABLE and error.refusal:
+                failure = error  # the rejoin was refused: its reason is the push's
+            elif isinstance(error, AggregationError):
                 failure = AggregationError(error.address, error.code, self._unreachable(pending, error.details))
             else:
                 failure = AggregationError(self.addresses[pending.shard], grpc.StatusCode.CANCELLED, str(error))

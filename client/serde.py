@@ -55,6 +55,7 @@ def join_request(
     model_signature: str = "",
     outer_step: OuterStep | None = None,
     semi_sync: tuple[int, float] | None = None,
+    role: pb.MemberRole = pb.MEMBER_ROLE_STARTING,
 ) -> pb.JoinRequest:
     """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
 
@@ -62,7 +63,8 @@ def join_request(
     ``max_members`` 0 puts no cap of its own on an elastic job's members;
     ``model_signature`` "" leaves the host's model unchecked; ``outer_step`` has
     the aggregator keep a DiLoCo job's global state (None: it only averages);
-    ``semi_sync`` (quorum, grace seconds) makes its rounds semi-synchronous.
+    ``semi_sync`` (quorum, grace seconds) makes its rounds semi-synchronous;
+    ``role`` (a proto MemberRole) says what an elastic member holds.
     """
     outer = None
     if outer_step is not None:
@@ -79,6 +81,7 @@ def join_request(
         model_signature=model_signature,
         outer_step=outer,
         semi_sync=pb.SemiSync(quorum=semi_sync[0], grace_s=semi_sync[1]) if semi_sync is not None else None,
+        role=role,
     )
 
 

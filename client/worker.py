@@ -48,6 +48,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# The first wait before an elastic member joins again after the shards disagreed on its run (doubled, at
+# most 2 s): about the time the job's hosts take to come back to a restarted shard.
+_ELASTIC_JOIN_BACKOFF_S = 0.2
+
 
 # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
@@ -181,6 +185,7 @@ class WorkerClient:
         self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
+        self.received_state = False  # elastic: took the run's training state (FetchState): it holds the run's
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
@@ -262,8 +267,38 @@ class WorkerClient:
         # not before it: an elastic joiner's wait for the state begins at the Join, and a push
         # that needs a kernel still loading waits in numba's compile lock, not in a race.
         threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
-        for shard in range(len(self._stubs)):
-            self._join_shard(shard)
+        if not self.elastic:
+            for shard in range(len(self._stubs)):
+                self._join_shard(shard)
+            return
+        self._join_elastic()
+
+    def _join_elastic(self) -> None:
+        """Join an elastic job on every shard, the first first; start over while a restarted first shard
+        runs a run of its own.
+
+        A first shard that restarted and was reached before the job's hosts came back gives this host an id
+        in a run of its own, which the other shards refuse (ANOTHER_RUN: that id trains in the job's run
+        there). The hosts that hold the job's state take the first shard back (their run replaces one that
+        never trained), so this host leaves, waits and joins again from the first shard, as a newcomer,
+        until ``timeout_s`` has passed.
+        """
+        asked_rank, own_incarnation = self.rank, self.incarnations[0]
+        deadline = time.monotonic() + self.timeout_s
+        backoff = _ELASTIC_JOIN_BACKOFF_S
+        while True:
+            try:
+                for shard in range(len(self._stubs)):
+                    self._join_shard(shard)
+                return
+            except AggregationError as error:
+                if error.refusal != "ANOTHER_RUN" or self.received_state or time.monotonic() + backoff > deadline:
+                    raise
+                log.warning("joining again from the first shard in %.1f s: %s", backoff, error)
+            self._leave_shards()
+            self.rank, self.catch_up, self.incarnation = asked_rank, False, own_incarnation
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
 
     def _rejoin_shard(self, shard: int) -> None:
         self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
@@ -277,14 +312,30 @@ class WorkerClient:
     def incarnation(self, incarnation: str) -> None:
         self.incarnations = [incarnation] * len(self.addresses)
 
+    def member_role(self) -> pb.MemberRole:
+        """What this member brings to a Join (a proto MemberRole): the server decides on it after a restart.
+
+        Pending on the first shard: JOINING. Trained in its run (a mean came back, or it received the
+        state): RESUMING, so a shard that lost the run takes it back as training and a run formed there
+        by hosts without state yields to it. Otherwise STARTING.
+        """
+        if not self.elastic:
+            return pb.MEMBER_ROLE_STARTING
+        if self.catch_up:
+            return pb.MEMBER_ROLE_JOINING
+        if self.received_state or self._stats.snapshot().bytes_received:
+            return pb.MEMBER_ROLE_RESUMING
+        return pb.MEMBER_ROLE_STARTING
+
     def _join_shard(self, shard: int, patience: float | None = None) -> None:
-        """Join ``shard``. An elastic member joins the first shard first, which gives it its id (and its run
-        there); the other shards follow that id, and each gives its own run."""
+        """Join ``shard``. An elastic member joins the first shard first, which gives it its id and its run;
+        the other shards follow that id and that run (one run identity across shards), each answering with
+        the run it holds."""
         request = serde.join_request(
             self.job_id,
             self.rank,
             self.world_size,
-            self.incarnations[shard],
+            self.incarnations[0] if self.elastic else self.incarnations[shard],
             self.ranks,
             self.elastic,
             self.job_ranks or 0,
@@ -292,6 +343,7 @@ class WorkerClient:
             self.model_signature,
             self.outer_step,
             self.semi_sync,
+            self.member_role(),
         )
         timeout = self.timeout_s if patience is None else patience
         try:
@@ -405,6 +457,7 @@ class WorkerClient:
                 self.addresses[0], None, f"the shards admitted this member at different steps {sorted(steps)}"
             )
         self.catch_up = False
+        self.received_state = True
         return received[0]
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
@@ -459,6 +512,13 @@ class WorkerClient:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
         for pending in self._sender.window.close():
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
+        self._leave_shards()
+        self._sender.close()
+        for channel in self._channels:
+            channel.close()
+
+    def _leave_shards(self) -> None:
+        """Leave every shard joined (best effort) and end the Watch streams, Leave first."""
         for shard, stub in enumerate(self._stubs):
             if self._joined[shard]:
                 request = serde.leave_request(self.job_id, self.rank, self.incarnations[shard])
@@ -471,9 +531,6 @@ class WorkerClient:
             if watching is not None:
                 watching.cancel()
                 self._watches[shard] = None
-        self._sender.close()
-        for channel in self._channels:
-            channel.close()
 
     def __enter__(self) -> WorkerClient:
         self.join()

@@ -25,8 +25,9 @@ from gradq.server.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from gradq.server.job_spec import MAX_JOB_ID_LENGTH, JobSpec, MemberRole, check_job_id
 from gradq.server.limits import ServiceLimits
-from gradq.server.membership import ANY_RANK, Membership
+from gradq.server.membership import Membership
 from gradq.server.outer_state import OuterState
 from gradq.server.round_state import Round
 from gradq.server.semi_sync import LateStash, SemiSync
@@ -35,12 +36,9 @@ __all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnat
 
 log = logging.getLogger(__name__)
 
-MAX_JOB_ID_LENGTH = 256
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
-# The longest model signature a Join may carry (one line per tensor; GPT-2's is about 8 KB).
-MAX_SIGNATURE_CHARACTERS = 1 << 20
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -101,6 +99,7 @@ class Retired:
 
     job: Job
     reason: str
+    refusal: Refusal = Refusal.UNSPECIFIED  # what its waiters' failure tells their clients
 
 
 class JobTable:
@@ -119,81 +118,35 @@ class JobTable:
         self._jobs: dict[str, Job] = {}
         self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
 
-    def join(
-        self,
-        job_id: str,
-        rank: int,
-        world_size: int,
-        incarnation: str,
-        now: float,
-        peer: str = "",
-        ranks: int = 1,
-        elastic: bool = False,
-        job_ranks: int = 0,
-        max_members: int = 0,
-        model_signature: str = "",
-        outer_step: OuterStep | None = None,
-        semi_sync: SemiSync | None = None,
-    ) -> tuple[Job, list[Retired], int]:
-        """Register ``rank`` with the current run of ``job_id``; idempotent, so a restarted worker may rejoin.
+    def join(self, spec: JobSpec, now: float, peer: str = "") -> tuple[Job, list[Retired], int]:
+        """Register the member ``spec`` names with the current run of its job; idempotent, so it may rejoin.
 
         ``peer`` is the calling client host; a Join that starts a job counts
         against that host's --max-jobs-per-peer until the job is forgotten.
-        ``ranks`` is how many of the job's ranks the member stands for (a
-        host's, under two-level aggregation); every Join of a member must agree.
-        ``job_ranks`` is the job's ranks in all (0: ``world_size``, one per
-        member); it is what --world-size is checked against. ``elastic`` joins
-        an elastic job: ``rank`` may be ANY_RANK, a Join into a live run adopts
-        its incarnation, and a newcomer to a formed job is pending until it has
-        received the state (see gradq.server.membership). ``max_members``
-        caps an elastic job's members at once (0: only --max-world-size does).
-        ``model_signature`` is an elastic host's model, one line per tensor: the
-        run's first fixes it, a later one that differs is refused. ``outer_step``
-        (elastic only) has the aggregator keep the job's DiLoCo global state
-        (gradq.server.outer_state); the run's first Join fixes it too, as it
-        does ``semi_sync`` (quorum and grace window, gradq.server.semi_sync).
+        ``spec.job_ranks`` is what --world-size is checked against. An elastic
+        Join into a live run adopts its incarnation, and a newcomer to a formed
+        job is pending until it has received the state (see
+        gradq.server.membership), unless it resumes the run it trained in
+        (``MemberRole.RESUMING``): a run formed by hosts without state yields to
+        it, so a restarted shard serves the run the hosts hold, not the first
+        host to dial. The run's first Join fixes the outer step and semi-sync
+        rounds; its start quorum fixes the model.
 
         Returns:
             (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
 
         Raises:
             InvalidArgumentError: bad job id, world size, job ranks, rank or ranks.
-            FailedPreconditionError: --world-size, world size, job ranks, the cap or a member's
-                ranks disagree, the incarnation was superseded, or an elastic job is at its cap.
+            FailedPreconditionError: --world-size, world size, job ranks, the cap, the model or a member's
+                ranks disagree, the incarnation was superseded or is another run, or an elastic job is at its cap.
             ResourceExhaustedError: --max-jobs jobs exist already, or ``peer`` has
                 started --max-jobs-per-peer of them.
             UnavailableError: the aggregator is shutting down.
         """
-        _check_job_id(job_id)
-        if rank == ANY_RANK and not elastic:
-            raise InvalidArgumentError(f"rank={ANY_RANK} (any) is only valid in an elastic Join; expected a rank")
+        spec.check(self.limits.max_world_size)
+        job_id, elastic = spec.job_id, spec.elastic
         # An elastic job's member ids outgrow its starting world_size as hosts are replaced.
-        self._check_world(world_size, job_ranks, 0 if elastic else rank)
-        if elastic and rank != ANY_RANK and rank >= self.limits.max_world_size:
-            raise InvalidArgumentError(
-                f"rank={rank} is out of range; expected 0..{self.limits.max_world_size - 1} (--max-world-size) "
-                f"or {ANY_RANK} (any) for an elastic member"
-            )
-        if len(model_signature) > MAX_SIGNATURE_CHARACTERS:
-            raise InvalidArgumentError(
-                f"model_signature holds {len(model_signature)} characters; expected at most "
-                f"{MAX_SIGNATURE_CHARACTERS} (one line per tensor of the host's model)"
-            )
-        if outer_step is not None and not elastic:
-            raise InvalidArgumentError(
-                f"outer_step ({outer_step.describe()}) is only valid in an elastic Join: DiLoCo's hosts are the "
-                "members of an elastic job"
-            )
-        if semi_sync is not None and outer_step is None:
-            raise InvalidArgumentError(
-                f"semi_sync ({semi_sync.describe()}) needs outer_step: a late host takes the job's state from "
-                f"the aggregator's copy of it"
-            )
-        if not 1 <= ranks <= self.limits.max_world_size:
-            raise InvalidArgumentError(
-                f"ranks={ranks} is invalid; expected 1..{self.limits.max_world_size} (--max-world-size): "
-                f"the ranks member {rank} stands for"
-            )
+        self._check_world(spec.world_size, spec.job_ranks, 0 if elastic else spec.rank)
         retired: list[Retired] = []
         with self.lock:
             if self.closing:
@@ -204,20 +157,27 @@ class JobTable:
                     f"elastic={elastic} does not match {job.describe()}, which is "
                     f"{'elastic' if job.members.elastic else 'not elastic'}; every host of a job must agree"
                 )
+            incarnation = spec.incarnation
             if job is not None and elastic and not job.members.empty:
-                incarnation = job.incarnation  # a live elastic run is joined, never superseded by a newcomer
+                incarnation = _elastic_run(job, spec)
             if job is not None and job.incarnation != incarnation:
                 if incarnation in job.superseded:
                     raise FailedPreconditionError(
                         f"{describe_incarnation(incarnation)} of job {job_id!r} was superseded by "
-                        f"{describe_incarnation(job.incarnation)}; a finished run cannot rejoin"
+                        f"{describe_incarnation(job.incarnation)}; a finished run cannot rejoin",
+                        Refusal.ANOTHER_RUN,
                     )
                 reason = f"superseded: {job.describe()} was restarted as {describe_incarnation(incarnation)}"
-                retired.append(self._forget(job, reason))
+                if elastic and not job.members.empty:
+                    reason = (
+                        f"{job.describe()} had not trained when hosts of {describe_incarnation(incarnation)}, which "
+                        f"hold the job's state, came back to this aggregator (it restarted): their run is the job's; "
+                        f"join it as a newcomer"
+                    )
+                retired.append(self._forget(job, reason, Refusal.ANOTHER_RUN))
                 superseded = (*job.superseded, job.incarnation)[-_SUPERSEDED_KEPT:]
                 # A restart keeps the job's slot with the host that started it: no host's count moves.
-                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic, max_members)
-                job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, superseded, job.creator)
+                job = self._jobs[job_id] = self._new_job(spec, incarnation, now, superseded, job.creator)
             elif job is None:
                 if len(self._jobs) >= self.limits.max_jobs:
                     raise ResourceExhaustedError(
@@ -231,25 +191,37 @@ class JobTable:
                         f"(--max-jobs-per-peer={self.limits.max_jobs_per_peer}); idle jobs expire after "
                         f"--job-idle-timeout"
                     )
-                members = Membership(world_size, job_ranks or world_size, job_ranks > 0, elastic, max_members)
-                job = self._jobs[job_id] = self._new_job(job_id, members, incarnation, now, (), peer)
-            job.members.check_join(world_size, job_ranks, ranks, job.describe, max_members)
-            job.members.check_model(model_signature, job.describe)
-            _check_outer_step(job, outer_step, semi_sync)
-            rank, rejoined = job.members.place(rank, ranks, self.limits.max_world_size, job.describe)
+                job = self._jobs[job_id] = self._new_job(spec, incarnation, now, (), peer)
+            members = job.members
+            members.check_join(spec.world_size, spec.job_ranks, spec.ranks, job.describe, spec.max_members)
+            members.check_model(spec.model_signature, job.describe)
+            _check_outer_step(job, spec.outer_step, spec.semi_sync)
+            if spec.role is MemberRole.RESUMING and spec.rank in members.dropped:
+                raise FailedPreconditionError(
+                    f"member {spec.rank} of elastic {job.describe()} was dropped (silent past the keepalive): its "
+                    f"state is stale; join as a newcomer to receive the job's",
+                    Refusal.NOT_JOINED,
+                )
+            _check_taken(job, spec)
+            pending = spec.role is MemberRole.JOINING
+            rank, rejoined = members.place(
+                spec.rank, spec.ranks, self.limits.max_world_size, job.describe, pending, spec.model_signature
+            )
+            members.resumed = members.resumed or spec.role is MemberRole.RESUMING
             job.last_active = now
-            joined = len(job.members.joined)
-            pending = job.members.is_pending(rank)
-        cap = f", at most {job.members.max_members}" if job.members.max_members else ""
+            joined = len(members.joined)
+            pending = members.is_pending(rank)
+        cap = f", at most {members.max_members}" if members.max_members else ""
         log.info(
-            "%s %s %d to %s (%d joined; it starts with %d%s)",
+            "%s %s %d to %s (%d joined; it starts with %d%s%s)",
             "rejoin" if rejoined else "join",
             "pending member" if pending else "rank",
             rank,
             job.describe(),
             joined,
-            world_size,
+            spec.world_size,
             cap,
+            f"; {spec.role.name.lower()}" if elastic else "",
         )
         return job, retired, rank
 
@@ -265,7 +237,7 @@ class JobTable:
         Raises:
             FailedPreconditionError: unknown job, another incarnation, or a rank that has not joined.
         """
-        _check_job_id(job_id)  # before it is quoted: a refusal must not cost what a long id would
+        check_job_id(job_id)  # before it is quoted: a refusal must not cost what a long id would
         job = self._jobs.get(job_id)
         if job is None:
             raise FailedPreconditionError(f"job {job_id!r} has no joined ranks; call Join first", Refusal.UNKNOWN_JOB)
@@ -276,6 +248,8 @@ class JobTable:
                 Refusal.ANOTHER_RUN,
             )
         members = job.members
+        if rank in members.refused:
+            raise FailedPreconditionError(members.refused[rank], Refusal.MODEL_MISMATCH)
         late = late_step >= 0 and members.late.get(rank) == late_step  # a late member's other pushes
         if members.is_pending(rank) and not pending_ok and not late:
             raise FailedPreconditionError(
@@ -291,6 +265,11 @@ class JobTable:
             )
         job.last_active = now
         return job
+
+    def find(self, job_id: str, incarnation: str) -> Job | None:
+        """The current run of ``job_id`` if it is ``incarnation``, else None. Caller holds ``lock``."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and job.incarnation == incarnation else None
 
     def leave(self, job_id: str, rank: int, incarnation: str, now: float) -> tuple[Job | None, list[Retired]]:
         """Deregister ``rank``; the run is forgotten (retired) when its last rank leaves.
@@ -328,22 +307,22 @@ class JobTable:
         """Every current job. Caller holds ``lock``."""
         return list(self._jobs.values())
 
-    def _new_job(
-        self, job_id: str, members: Membership, incarnation: str, now: float, superseded: tuple[str, ...], peer: str
-    ) -> Job:
+    def _new_job(self, spec: JobSpec, incarnation: str, now: float, superseded: tuple[str, ...], peer: str) -> Job:
+        job_id, world_size, job_ranks = spec.job_id, spec.world_size, spec.job_ranks
+        members = Membership(world_size, job_ranks or world_size, job_ranks > 0, spec.elastic, spec.max_members)
         account = MemoryAccount(
             f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
         )
         self._started_by[peer] += 1
         return Job(job_id, incarnation, now, account, members, creator=peer, superseded=superseded)
 
-    def _forget(self, job: Job, reason: str) -> Retired:
+    def _forget(self, job: Job, reason: str, refusal: Refusal = Refusal.UNSPECIFIED) -> Retired:
         job.retired = True
         del self._jobs[job.job_id]
         self._started_by[job.creator] -= 1
         if not self._started_by[job.creator]:
             del self._started_by[job.creator]
-        return Retired(job, reason)
+        return Retired(job, reason, refusal)
 
     def _check_world(self, world_size: int, job_ranks: int, rank: int) -> None:
         limit = self.limits.max_world_size
@@ -367,6 +346,46 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
+
+
+def _elastic_run(job: Job, spec: JobSpec) -> str:
+    """The run an elastic Join into ``job``'s live run joins: the live one, unless ``spec`` resumes another.
+
+    A member that trained in its run (RESUMING) holds that run's state. A live run that never trained
+    and that no such member joined was formed by hosts without state (a shard that restarted, first
+    reached by a newcomer): it yields, and the resuming run replaces it. Caller holds the lock.
+
+    Raises:
+        FailedPreconditionError: ANOTHER_RUN: the member resumes a run other than one that trained here.
+    """
+    if spec.role is not MemberRole.RESUMING or spec.incarnation == job.incarnation:
+        return job.incarnation
+    if job.newest_completed_step < 0 and not job.members.resumed:
+        return spec.incarnation
+    raise FailedPreconditionError(
+        f"member {spec.rank} resumes {describe_incarnation(spec.incarnation)} of job {job.job_id!r}, but this "
+        f"aggregator's run of it is {job.describe()}, which has trained; join it as a newcomer to receive its state",
+        Refusal.ANOTHER_RUN,
+    )
+
+
+def _check_taken(job: Job, spec: JobSpec) -> None:
+    """Refuse a host that holds no state of a run that has trained the id of a member training in it.
+
+    Such a host was given the id by a shard that restarted and forgot the run (it started one of its own
+    there); taking the id here would make it that member. Caller holds the lock.
+
+    Raises:
+        FailedPreconditionError: ANOTHER_RUN, naming the member and the run.
+    """
+    trained = job.newest_completed_step >= 0 or job.members.resumed
+    if spec.elastic and spec.role is MemberRole.STARTING and trained and spec.rank in job.members.joined:
+        raise FailedPreconditionError(
+            f"member {spec.rank} trains in elastic {job.describe()}, which has trained: a host that holds none of "
+            f"its state cannot take its id (the shard that gave it may have restarted and started a run of its "
+            f"own); join again as a newcomer",
+            Refusal.ANOTHER_RUN,
+        )
 
 
 def _check_outer_step(job: Job, outer_step: OuterStep | None, semi_sync: SemiSync | None) -> None:
@@ -398,8 +417,3 @@ def _check_outer_step(job: Job, outer_step: OuterStep | None, semi_sync: SemiSyn
 def _count(number: int, noun: str) -> str:
     """``1 rank``, ``2 ranks``."""
     return f"{number} {noun}{'' if number == 1 else 's'}"
-
-
-def _check_job_id(job_id: str) -> None:
-    if not job_id or len(job_id) > MAX_JOB_ID_LENGTH:
-        raise InvalidArgumentError(f"job_id={job_id[:40]!r} is invalid; expected 1..{MAX_JOB_ID_LENGTH} characters")

@@ -20,6 +20,13 @@ a live member has sent it the training state (gradq.server.state_relay), when
 ``admit`` moves it into the members training. Member ids pass ``world_size``
 as hosts are replaced.
 
+Which model an elastic job trains is its start quorum's: while it forms,
+each host's model signature is a candidate; the first signature that a
+majority of the ``world_size`` starting hosts share becomes the job's, and the
+members that joined with another are refused by name (``refused``). A Join
+that meets a disagreement no majority has settled yet waits (the servicer
+holds it) rather than letting the fastest host decide.
+
 Each member stands for ``ranks`` of the job's ranks: one, or a host's under
 two-level aggregation. ``job_ranks`` is the job's ranks in all (what the
 launcher calls the world size, and what gradq serve --world-size counts).
@@ -27,15 +34,14 @@ launcher calls the world size, and what gradq serve --world-size counts).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradq.server.errors import FailedPreconditionError, ResourceExhaustedError
+from gradq.server.errors import FailedPreconditionError, Refusal, ResourceExhaustedError
+from gradq.server.job_spec import ANY_RANK
 
-__all__ = ["ANY_RANK", "Membership", "MemberStates"]
-
-# An elastic Join's rank asking the aggregator for the lowest free member id (uint32's largest).
-ANY_RANK = 0xFFFFFFFF
+__all__ = ["ANY_RANK", "Membership", "MemberStates", "describe_model_difference"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +63,12 @@ class Membership:
     job_ranks_given: bool = False  # the Joins said job_ranks (0 on the wire: world_size, not checked)
     elastic: bool = False
     max_members: int = 0  # elastic: the most members at once, the user's cap (0: only --max-world-size)
-    model_signature: str = ""  # elastic: the hosts' shared model, fixed by the run's first Join that gave one
+    model_signature: str = ""  # elastic: the hosts' shared model, fixed by the start quorum (see check_model)
+    # Elastic, while the model is not fixed: member -> the signature it joined with (the candidates).
+    models: dict[int, str] = field(default_factory=dict)
+    # Member -> why it may not train in this run: its model is not the one the start quorum agreed on.
+    refused: dict[int, str] = field(default_factory=dict)
+    resumed: bool = False  # a member that trained in this run joined it: hosts hold its state, so it is the job's
     formed: bool = False  # elastic: world_size members have joined, so rounds wait for the members training
     joined: set[int] = field(default_factory=set)  # the members training
     # Member -> how many ranks it stands for (a host's under two-level aggregation; 1 by default).
@@ -115,30 +126,79 @@ class Membership:
             )
 
     def check_model(self, signature: str, describe: Callable[[], str]) -> None:
-        """Refuse a host whose model differs from the job's; the run's first signature becomes the job's.
+        """Refuse a host whose model differs from the job's, once the job's is fixed (see ``decide_model``).
 
         Raises:
-            FailedPreconditionError: the signatures differ; names the first line that does.
+            FailedPreconditionError: the signatures differ (MODEL_MISMATCH); names the first line that does.
         """
-        if not signature:
+        if signature and self.model_signature and signature != self.model_signature:
+            raise FailedPreconditionError(
+                describe_model_difference(signature, self.model_signature, describe), Refusal.MODEL_MISMATCH
+            )
+
+    def propose_model(self, member: int, signature: str) -> None:
+        """Record the model ``member`` joined with while the job's is not fixed yet (a fixed job: fix it)."""
+        if not signature or self.model_signature:
             return
-        if not self.model_signature:
+        if not self.elastic:
             self.model_signature = signature
             return
-        if signature == self.model_signature:
-            return
-        mine, theirs = signature.split("\n"), self.model_signature.split("\n")
-        index = next(
-            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs))
-        )
-        here = repr(mine[index]) if index < len(mine) else f"nothing (its model ends after {len(mine)} tensors)"
-        there = repr(theirs[index]) if index < len(theirs) else f"nothing (its model ends after {len(theirs)} tensors)"
-        raise FailedPreconditionError(
-            f"this host's model differs from {describe()}'s at tensor {index}: this host has {here}, the job "
-            f"{there}; every host of a job must build the same model"
+        self.models[member] = signature
+        self.refused.pop(member, None)
+
+    def decide_model(self, describe: Callable[[], str]) -> list[int]:
+        """Fix the job's model once a majority of its starting hosts agree; refuse the members that differ.
+
+        Unanimous members fix it too once the job forms (a host joining later is then checked by
+        ``check_model``). A majority is ``world_size // 2 + 1`` of the hosts the job starts with, so two
+        signatures can never both reach it: every shard, whatever order the Joins reach it in, decides the same.
+
+        Returns:
+            The members refused now (their rounds in flight must fail; their next calls are refused by name).
+        """
+        if self.model_signature or not self.models:
+            return []
+        holders = {member: model for member, model in self.models.items() if self.holds(member, pending_ok=True)}
+        counts = Counter(holders.values())
+        model, count = counts.most_common(1)[0]
+        if count < self.world_size // 2 + 1 and not (len(counts) == 1 and self.formed):
+            return []
+        self.model_signature = model
+        refused = sorted(member for member, theirs in holders.items() if theirs != model)
+        for member in refused:
+            message = describe_model_difference(holders[member], model, describe)
+            self.refused[member] = f"{message} (the model {count} of the hosts it starts with agree on)"
+            self.joined.discard(member)
+            self.pending.pop(member, None)
+        self.models.clear()
+        self._form()
+        return refused
+
+    def model_undecided(self, member: int) -> bool:
+        """Whether ``member`` joined with a model that disagrees with another member's, and no majority has
+        settled which is the job's yet (its Join waits for the decision)."""
+        mine = self.models.get(member)
+        return (
+            mine is not None
+            and not self.model_signature
+            and any(theirs != mine for other, theirs in self.models.items() if self.holds(other, pending_ok=True))
         )
 
-    def place(self, rank: int, ranks: int, max_members: int, describe: Callable[[], str]) -> tuple[int, bool]:
+    def forget_candidate(self, member: int) -> None:
+        """A waiting Join gave up before the model was decided: ``member`` is no member of this run."""
+        if self.models.pop(member, None) is not None:
+            self.joined.discard(member)
+            self.pending.pop(member, None)
+
+    def place(
+        self,
+        rank: int,
+        ranks: int,
+        max_members: int,
+        describe: Callable[[], str],
+        pending: bool = False,
+        signature: str = "",
+    ) -> tuple[int, bool]:
         """Make ``rank`` a member standing for ``ranks``: training, or pending in a formed elastic job.
 
         Args:
@@ -146,6 +206,9 @@ class Membership:
             ranks: the ranks it stands for; every Join of a member must agree.
             max_members: --max-world-size, the most member ids an elastic job may hold.
             describe: names the job, for messages.
+            pending: an elastic newcomer pending on another shard: pending here too, even before the
+                run (re)formed here, and not one of the hosts it forms with.
+            signature: its model ("": unchecked), a candidate while the job's is not fixed (``decide_model``).
 
         Returns:
             (the member id, whether it was a member already: a rejoin).
@@ -173,11 +236,12 @@ class Membership:
         if not rejoined:
             self._tenures_drawn += 1
             self.tenures[rank] = self._tenures_drawn
-        if self.elastic and self.formed and rank not in self.joined:
+        self.propose_model(rank, signature)  # before forming: a run never forms over a disagreement
+        if self.elastic and (self.formed or pending) and rank not in self.joined:
             self.pending[rank] = ranks  # trains only once it has the state (gradq.server.state_relay)
         else:
             self.joined.add(rank)
-            self.formed = self.formed or (self.elastic and len(self.joined) >= self.world_size)
+            self._form()
         self.ranks[rank] = ranks
         self.lost.pop(rank, None)  # back: its process (or connection) lives again
         self.dropped.discard(rank)
@@ -318,6 +382,11 @@ class Membership:
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _form(self) -> None:
+        """An elastic job forms once ``world_size`` members train on one model (never over a disagreement)."""
+        agree = len({self.models[m] for m in self.joined if m in self.models}) <= 1
+        self.formed = self.formed or (self.elastic and len(self.joined) >= self.world_size and agree)
+
     def _check_ranks_add_up(self, rank: int, ranks: int, describe: Callable[[], str]) -> None:
         """The ranks a fixed job's members stand for add up to ``job_ranks`` (an elastic host's, times world_size)."""
         if not self.job_ranks_given:
@@ -345,9 +414,21 @@ class Membership:
         Raises:
             ResourceExhaustedError: ``limit`` (--max-world-size) members hold ids already.
         """
-        taken = self.joined | self.pending.keys()
+        taken = self.joined | self.pending.keys() | self.refused.keys()  # a refused id stays its host's
         if len(taken) >= limit:
             raise ResourceExhaustedError(
                 f"{describe()} has {len(taken)} members, the most this aggregator allows (--max-world-size)"
             )
         return next(candidate for candidate in range(len(taken) + 1) if candidate not in taken)
+
+
+def describe_model_difference(signature: str, job_signature: str, describe: Callable[[], str]) -> str:
+    """Where a host's model first differs from the job's: the tensor's index and both lines."""
+    mine, theirs = signature.split("\n"), job_signature.split("\n")
+    index = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+    here = repr(mine[index]) if index < len(mine) else f"nothing (its model ends after {len(mine)} tensors)"
+    there = repr(theirs[index]) if index < len(theirs) else f"nothing (its model ends after {len(theirs)} tensors)"
+    return (
+        f"this host's model differs from {describe()}'s at tensor {index}: this host has {here}, the job "
+        f"{there}; every host of a job must build the same model"
+    )

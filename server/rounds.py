@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradq.qcore import QuantizedArray
-from gradq.qcore.outer_step import OuterStep
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import (
@@ -30,13 +29,14 @@ from gradq.server.errors import (
     RoundAbortedError,
     UnavailableError,
 )
+from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult, Waker
-from gradq.server.semi_sync import LateStash, SemiSync
+from gradq.server.semi_sync import LateStash
 from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
@@ -53,6 +53,7 @@ class JoinAnswer:
     rank: int
     incarnation: str
     catch_up: bool  # an elastic newcomer to a job in training: pending until it has the state
+    model_undecided: bool = False  # its model disagrees with another starting host's, and no majority settled it
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,61 +111,80 @@ class RoundTable:
 
     # -- membership -------------------------------------------------------------------------
 
-    def join(
-        self,
-        job_id: str,
-        rank: int,
-        world_size: int,
-        incarnation: str = "",
-        peer: str = "",
-        ranks: int = 1,
-        elastic: bool = False,
-        job_ranks: int = 0,
-        max_members: int = 0,
-        model_signature: str = "",
-        outer_step: OuterStep | None = None,
-        semi_sync: SemiSync | None = None,
-    ) -> JoinAnswer:
-        """Register ``rank`` with the current run of ``job_id``; a new ``incarnation`` starts the job fresh.
+    def join(self, spec: JobSpec, peer: str = "") -> JoinAnswer:
+        """Register the member ``spec`` names with the current run of its job (see ``JobTable.join``).
 
-        Also for elastic members (``rank`` may be ANY_RANK). ``job_ranks`` is
-        the job's ranks in all (0: ``world_size``): --world-size counts those.
-        ``max_members`` caps an elastic job's members (0: no cap of its own);
-        ``model_signature`` is an elastic host's model, ``outer_step`` a DiLoCo
-        job's outer step on the aggregator, ``semi_sync`` its quorum and grace
-        window (see ``JobTable.join``).
+        A new ``incarnation`` starts a fixed job fresh; an elastic member may
+        ask for ANY_RANK. ``peer`` is the calling client host. When the start
+        quorum's model decision refuses members (``Membership.decide_model``),
+        their rounds in flight fail with that refusal.
 
         Returns:
-            The job's world size, the members joined, which member and run were joined.
+            The job's world size, the members joined, which member and run were
+            joined, and whether its model is still undecided (the servicer waits).
 
         Raises:
             InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
             UnavailableError: see ``JobTable.join``.
         """
-        job, retired, member = self.jobs.join(
-            job_id,
-            rank,
-            world_size,
-            incarnation,
-            self._clock(),
-            peer,
-            ranks,
-            elastic,
-            job_ranks,
-            max_members,
-            model_signature,
-            outer_step,
-            semi_sync,
-        )
+        job, retired, member = self.jobs.join(spec, self._clock(), peer)
         self._retire(retired)
         with self.jobs.lock:
             members = job.members
+            refused = members.decide_model(job.describe)
             answer = JoinAnswer(
-                job.world_size, len(members.joined), member, job.incarnation, members.is_pending(member)
+                job.world_size,
+                len(members.joined),
+                member,
+                job.incarnation,
+                members.is_pending(member),
+                members.model_undecided(member),
             )
+        if refused:
+            self._fail_refused(job, refused)
         if members.elastic:
             self.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
+
+    def model_decided(self, job_id: str, member: int, incarnation: str) -> bool:
+        """Whether ``member``'s Join may be answered: the job's model is decided (or nobody disagrees now).
+
+        Raises:
+            FailedPreconditionError: MODEL_MISMATCH: the start quorum agreed on another model; or the
+                member's run is gone.
+        """
+        with self.jobs.lock:
+            job = self.jobs.member(job_id, member, incarnation, self._clock(), pending_ok=True)
+            return not job.members.model_undecided(member)
+
+    def give_up_join(self, job_id: str, member: int, incarnation: str) -> None:
+        """A Join waiting for the model decision ended unanswered: the member is no candidate any more."""
+        with self.jobs.lock:
+            job = self.jobs.find(job_id, incarnation)
+            if job is not None:
+                job.members.forget_candidate(member)
+
+    def _fail_refused(self, job: Job, refused: list[int]) -> None:
+        """The start quorum refused ``refused``'s model: fail the rounds in flight that hold their pushes.
+
+        Only members that joined before any disagreement can have pushed (a Join that meets one waits for
+        the decision), so the rounds failed here wait on nobody whose model is the job's.
+        """
+        with self.jobs.lock:
+            rounds = [rnd for rnd in job.open if rnd.contributors & set(refused)]
+            reason = job.members.refused[refused[0]]
+        for rnd in rounds:
+            with rnd.lock:
+                if not rnd.done.is_set():
+                    error = FailedPreconditionError(
+                        f"{rnd.describe(job.job_id)} failed: {reason}", Refusal.MODEL_MISMATCH
+                    )
+                    self._closer.fail(job, rnd, error, "model_refused")
+                self.budget.adjust(rnd.charged, 0, job.memory)  # forgotten: the job's hosts push it afresh
+                rnd.charged = 0
+            with self.jobs.lock:
+                if job.rounds.get((rnd.step, rnd.bucket)) is rnd:
+                    del job.rounds[(rnd.step, rnd.bucket)]
 
     def now(self) -> float:
         """The table's clock (monotonic seconds; injected in tests)."""
@@ -231,7 +251,7 @@ class RoundTable:
                         self._closer.fail(
                             gone.job,
                             rnd,
-                            RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}"),
+                            RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}", gone.refusal),
                             "retired",
                         )
                     self.budget.adjust(rnd.charged, 0, gone.job.memory)

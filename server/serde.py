@@ -6,7 +6,7 @@ The only server module that touches ``_pb2`` types (with the servicer's signatur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 from google.protobuf.message import DecodeError, Message
@@ -17,6 +17,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
 from gradq.server.errors import InvalidArgumentError
+from gradq.server.job_spec import JobSpec, MemberRole
 from gradq.server.rounds import RoundResult
 from gradq.server.semi_sync import SemiSync
 
@@ -116,7 +117,8 @@ def streamed_refusal(sequence: int, code: int, details: str, refusal: int = 0) -
     The details are cut to ``MAX_DETAILS_CHARACTERS``: a stream may hold many refusals its client has not
     read yet, and none may cost more than a line because a request field was long.
     """
-    response = pb.PushPullResponse(sequence=sequence, code=code, details=bounded_details(details), refusal=refusal)
+    reason = cast("pb.Refusal", refusal)
+    response = pb.PushPullResponse(sequence=sequence, code=code, details=bounded_details(details), refusal=reason)
     return response.SerializeToString()
 
 
@@ -214,6 +216,35 @@ def _parse(data: bytes, message: type[M]) -> M:
         return message.FromString(data)
     except DecodeError as error:
         raise InvalidArgumentError(f"request is not a {message.DESCRIPTOR.full_name}: {error}") from None
+
+
+def job_spec_of(request: pb.JoinRequest, rank: int) -> JobSpec:
+    """A Join as one value (``rank``: its rank as the caller's credentials allow), checked field by field.
+
+    Raises:
+        InvalidArgumentError: naming the field, its value and what was expected.
+    """
+    try:
+        role = MemberRole(request.role)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"role={request.role} is invalid; expected 0 (STARTING), 1 (JOINING) or 2 (RESUMING)"
+        ) from None
+    spec = JobSpec(
+        request.job_id,
+        rank,
+        request.world_size,
+        request.incarnation,
+        request.ranks or 1,
+        request.elastic,
+        request.job_ranks,
+        request.max_members,
+        request.model_signature,
+        outer_step_of(request),
+        semi_sync_of(request),
+        role,
+    )
+    return spec
 
 
 def outer_step_of(request: pb.JoinRequest) -> OuterStep | None:

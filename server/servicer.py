@@ -28,12 +28,20 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantizedArray
 from gradq.server import outer_service, serde
 from gradq.server.auth import check_scope, scoped_rank
-from gradq.server.errors import InvalidArgumentError, Refusal, ResourceExhaustedError, RoundError, UnavailableError
+from gradq.server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    Refusal,
+    ResourceExhaustedError,
+    RoundError,
+    UnavailableError,
+)
+from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import Job
 from gradq.server.liveness import Liveness
 from gradq.server.membership import ANY_RANK
 from gradq.server.outer_service import OuterJoiners
-from gradq.server.rounds import RoundResult, RoundTable, RoundTicket
+from gradq.server.rounds import JoinAnswer, RoundResult, RoundTable, RoundTicket
 from gradq.server.state_relay import StateHeader, StateRelays
 from gradq.server.waiting import WaitingCalls, peer_host
 
@@ -59,6 +67,18 @@ _ON_LOOP_BYTES = 4 << 20
 _ON_LOOP_ELEMENTS = 1 << 21
 # How long a push refused for want of memory or open rounds waits for its answer (bench/abuse.py).
 _REFUSAL_PAUSE_S = 0.1
+# Pushes one PushPullStream may have read that are not yet in their rounds: being parsed, admitted or
+# accumulated (each holds its request, at most --max-message-bytes), or refused there and not yet written
+# (each a PushPullResponse of at most MAX_DETAILS_CHARACTERS of details). A push in its round holds a
+# waiting slot instead, capped as waiting calls are. Past this many the stream is not read until they
+# move on, so a client that never reads its refusals holds at most this many (about 70 KiB for 64 KiB
+# job ids; issue 41 measured 150 MiB a stream before). 32 keeps the pool's threads busy with one
+# stream's large pushes and a reading client's refusals flowing.
+_UNADMITTED_PER_STREAM = 32
+# How long a Join whose model disagrees with another host's waits for the start quorum to decide, at most,
+# and how often it looks (see GradqServicer._await_model).
+_MODEL_WAIT_S = 60.0
+_MODEL_POLL_S = 0.05
 
 
 class RawRequest:
@@ -79,7 +99,9 @@ class _Streamed:
     """What a PushPullStream's writer takes next: an answer to write, or news of the stream itself."""
 
     data: bytes  # a serialized PushPullResponse; empty for news
-    slot: tuple[str, str] | None = None  # the (job, peer) waiting slot the answer holds until it is written
+    # The (job, peer) waiting slot the answer holds until it is written; None: the push never got into its
+    # round, and its answer holds one of the stream's ``_UNADMITTED_PER_STREAM`` places instead.
+    slot: tuple[str, str] | None = None
     end: bool = False  # the client sent its last push
     ending: RoundError | None = None  # end the call with this status
 
@@ -197,29 +219,41 @@ class AggregatorServicer:
         request = await _call(context, serde.join_from_bytes, raw.take())
         rank = scoped_rank(request.rank, ANY_RANK)
         await _call(context, check_scope, request.job_id, rank)
-        outer_step = await _call(context, serde.outer_step_of, request)
-        semi_sync = await _call(context, serde.semi_sync_of, request)
-        peer = peer_host(context.peer())
-        answer = await _in_pool(
-            context,
-            self.table.join,
-            request.job_id,
-            rank,
-            request.world_size,
-            request.incarnation,
-            peer,
-            request.ranks or 1,
-            request.elastic,
-            request.job_ranks,
-            request.max_members,
-            request.model_signature,
-            outer_step,
-            semi_sync,
-        )
+        spec = await _call(context, serde.job_spec_of, request, rank)
+        answer = await _in_pool(context, self.table.join, spec, peer_host(context.peer()))
+        if answer.model_undecided:
+            await self._await_model(context, spec, answer)
         response = serde.join_to_proto(
             answer.world_size, answer.joined, self.server_id, answer.rank, answer.incarnation, answer.catch_up
         )
         return response.SerializeToString()
+
+    async def _await_model(self, context: grpc.aio.ServicerContext, spec: JobSpec, answer: JoinAnswer) -> None:
+        """Hold a Join whose model disagrees with another starting host's until a majority decides.
+
+        The job's model is its start quorum's, not the fastest host's: this Join is answered once the
+        disagreement is settled (its model won: it trains; it lost: MODEL_MISMATCH, naming the tensor), or
+        refused when its deadline (at most ``_MODEL_WAIT_S``) passes first. A waiting Join is one coroutine,
+        no thread: it looks again every ``_MODEL_POLL_S``.
+        """
+        remaining = context.time_remaining()
+        limit = _MODEL_WAIT_S if remaining is None else min(_MODEL_WAIT_S, max(remaining - 0.5, 0.0))
+        give_up = asyncio.get_running_loop().time() + limit
+        try:
+            while not await _call(context, self.table.model_decided, spec.job_id, answer.rank, answer.incarnation):
+                if asyncio.get_running_loop().time() >= give_up:
+                    raise FailedPreconditionError(
+                        f"the hosts that joined elastic job {spec.job_id!r} disagree on the model and no majority of "
+                        f"the {spec.world_size} it starts with has settled which is the job's within {limit:.0f} s; "
+                        f"start the hosts with one model",
+                        Refusal.MODEL_MISMATCH,
+                    )
+                await asyncio.sleep(_MODEL_POLL_S)
+        except (RoundError, asyncio.CancelledError) as error:
+            self.table.give_up_join(spec.job_id, answer.rank, answer.incarnation)
+            if isinstance(error, RoundError):
+                await _abort(context, error)
+            raise
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         peer = peer_host(context.peer())
@@ -250,25 +284,33 @@ class AggregatorServicer:
         while earlier pushes wait for their rounds; each holds a waiting slot
         (``WaitingCalls``) until its answer is written, so a client that stops
         reading answers is held to the same caps as its waiting calls, and a
-        push past a cap is refused as a PushPull call would be. A stream has at
-        most twice as many pushes read and unanswered as one peer may have
-        waiting (room for the refusals): past that it is not read until
-        answers are written, and gRPC's flow control holds the client.
+        push past a cap is refused as a PushPull call would be. What one
+        stream holds is bounded whether or not its client reads: at most
+        ``_UNADMITTED_PER_STREAM`` pushes not yet in their rounds (a request
+        or a refusal each), and the pushes holding waiting slots (at most
+        --max-waiting-per-peer, with their answers once their rounds end),
+        plus gRPC's own buffers. With every place taken the stream is not
+        read until one frees, and gRPC's flow control holds the client.
         """
         peer = peer_host(context.peer())
         answers: asyncio.Queue[_Streamed] = asyncio.Queue()
-        room = asyncio.Semaphore(2 * self.waiting.per_peer)
+        unadmitted = asyncio.Semaphore(_UNADMITTED_PER_STREAM)
         pushes: set[asyncio.Task[None]] = set()
         unanswered = 0
 
         async def serve(data: bytes) -> None:
-            answers.put_nowait(await self._streamed_push(data, peer))
+            answers.put_nowait(await self._streamed_push(data, peer, unadmitted.release))
 
         async def read() -> None:
             nonlocal unanswered
+            messages = aiter(requests)
             try:
-                async for raw in requests:
-                    await room.acquire()
+                while True:
+                    await unadmitted.acquire()  # before the read: a push that finds no place stays with gRPC
+                    try:
+                        raw = await anext(messages)
+                    except StopAsyncIteration:
+                        break
                     unanswered += 1
                     task = asyncio.create_task(serve(raw.take()))
                     pushes.add(task)
@@ -297,7 +339,8 @@ class AggregatorServicer:
                     if answer.slot is not None:
                         self.waiting.release(*answer.slot)
                 unanswered -= 1
-                room.release()
+                if answer.slot is None:
+                    unadmitted.release()  # refused before its round: its place was held until now
         finally:
             self._push_streams.discard(answers)
             reader.cancel()
@@ -308,14 +351,20 @@ class AggregatorServicer:
                 if left.slot is not None:
                     self.waiting.release(*left.slot)
 
-    async def _streamed_push(self, data: bytes, peer: str) -> _Streamed:
-        """One PushPullStream push, start to answer: a PushPullResponse naming its sequence, never an exception."""
+    async def _streamed_push(self, data: bytes, peer: str, in_round: Callable[[], None]) -> _Streamed:
+        """One PushPullStream push, start to answer: a PushPullResponse naming its sequence, never an exception.
+
+        ``in_round`` is called once the push is accumulated into its round. From then on the push's answer,
+        its round's mean or a refusal, keeps the push's waiting slot until it is written; a push refused
+        before that gives its slot back at once (its job id may be no job's, and is not kept).
+        """
         try:
             sequence, parsed = await _parsed(serde.streamed_push_from_bytes, data)
         except RoundError as error:  # not a PushPullRequest: no sequence to answer with
             return _Streamed(b"", ending=error)
         del data
         slot: tuple[str, str] | None = None
+        accumulated = False
         try:
             if isinstance(parsed, RoundError):
                 raise parsed
@@ -325,21 +374,25 @@ class AggregatorServicer:
             slot = (job_id, peer)
             ticket = await self._add(parsed)
             del parsed  # accumulated: nothing of the payload need outlive the push
+            accumulated = True
+            in_round()
             result = await self._wait(ticket)
             assert isinstance(result.packaged, bytes), "the table packages every result"
-            answer, slot = _Streamed(serde.streamed_answer(result.packaged, sequence), slot=slot), None
-            return answer
+            answer = serde.streamed_answer(result.packaged, sequence)
         except RoundError as error:
-            return _Streamed(
-                serde.streamed_refusal(sequence, _status_code(error.code), str(error), error.refusal.value)
-            )
+            answer = serde.streamed_refusal(sequence, _status_code(error.code), str(error), error.refusal.value)
         except Exception as error:  # a bug: answer as gRPC answers a unary handler's, and keep the stream
             log.exception("PushPullStream push %d failed", sequence)
             details = f"{type(error).__name__}: {error}"
-            return _Streamed(serde.streamed_refusal(sequence, _status_code("UNKNOWN"), details))
-        finally:
+            answer = serde.streamed_refusal(sequence, _status_code("UNKNOWN"), details)
+        except BaseException:  # cancelled: the stream ended first
             if slot is not None:
                 self.waiting.release(*slot)
+            raise
+        if slot is not None and not accumulated:
+            self.waiting.release(*slot)
+            slot = None
+        return _Streamed(answer, slot=slot)
 
     async def _add(self, contribution: serde.Contribution) -> RoundTicket:
         """Admit the contribution to its round and accumulate it; raises RoundError."""

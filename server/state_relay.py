@@ -161,7 +161,9 @@ class StateRelays:
                 raise FailedPreconditionError(
                     f"member {rank} of {job.describe()} trains already; only a pending elastic member fetches the state"
                 )
-            if not job.members.joined:
+            # A run not (re)formed here yet waits for its members: a shard that restarted is rejoined by them
+            # after a newcomer pending on the first shard may have reached it.
+            if job.members.formed and not job.members.joined:
                 raise FailedPreconditionError(
                     f"no member of {job.describe()} is training, so none holds the state; restart the job"
                 )

@@ -57,7 +57,7 @@ def start_aggregator() -> Iterator[StartAggregator]:
     def start(policy: RoundPolicy | None = None, **options: object) -> AggregatorServer:
         server = AggregatorServer(
             policy or RoundPolicy(round_timeout_s=5.0),
-            ServerOptions(address="127.0.0.1:0", grace_s=1.0, **options),  # type: ignore[arg-type]
+            ServerOptions(**{"address": "127.0.0.1:0", "grace_s": 1.0, **options}),  # type: ignore[arg-type]
         )
         server.start()
         servers.append(server)

@@ -22,6 +22,7 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantConfig, Scheme, codec_for, encode
 from gradq.qcore.codecs import registered_schemes
 from gradq.server.errors import FailedPreconditionError
+from gradq.server.job_spec import JobSpec
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable, RoundTicket
 
@@ -166,7 +167,7 @@ def test_partial_is_set_at_the_deadline_and_when_a_missing_rank_leaves_as_the_pr
     clock = [0.0]
     table = RoundTable(RoundPolicy(round_timeout_s=1.0, partial_quorum=2), clock=lambda: clock[0])
     for rank in range(3):
-        table.join("job", rank, 3)
+        table.join(JobSpec("job", rank, 3))
     exact = QuantConfig(scheme=Scheme.FLOAT32)
     values = encode(np.ones(4, np.float32), exact)
 
@@ -200,6 +201,6 @@ def test_job_ranks_zero_means_world_size_as_the_proto_says() -> None:
     comment = comment_of("uint32 job_ranks = 7;")
     assert "0 means world_size" in comment and "--world-size" in comment
     table = RoundTable(RoundPolicy())
-    table.join("job", 0, 3)  # job_ranks unset (0): three members of one rank each
+    table.join(JobSpec("job", 0, 3))  # job_ranks unset (0): three members of one rank each
     with pytest.raises(FailedPreconditionError, match="job_ranks"):
-        table.join("job", 1, 3, job_ranks=6)
+        table.join(JobSpec("job", 1, 3, job_ranks=6))

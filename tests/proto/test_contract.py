@@ -82,3 +82,13 @@ def test_an_unknown_scheme_is_refused_with_the_registered_ones_named() -> None:
     message.scheme = pb.Scheme.Value("SCHEME_UNSPECIFIED")
     with pytest.raises(ValueError, match=r"tensor.scheme=0 is not a known scheme; expected one of 1 \(FLOAT32\), "):
         tensor_from_proto(message)
+
+
+def test_refusal_and_member_role_enums_match_the_servers_both_ways() -> None:
+    from gradq.server.errors import Refusal
+    from gradq.server.job_spec import MemberRole
+
+    wire_refusals = {pb.Refusal.Name(v).removeprefix("REFUSAL_"): v for v in pb.Refusal.values()}
+    assert wire_refusals == {reason.name: reason.value for reason in Refusal}
+    wire_roles = {pb.MemberRole.Name(v).removeprefix("MEMBER_ROLE_"): v for v in pb.MemberRole.values()}
+    assert wire_roles == {role.name: role.value for role in MemberRole}

@@ -9,6 +9,7 @@ from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.buffers import MAPPED_MIN_BYTES, AccumulatorPool, mapped_float32
+from gradq.server.job_spec import JobSpec
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
@@ -81,7 +82,7 @@ def test_rounds_plus_free_accumulators_stay_within_the_memory_budget() -> None:
     table = RoundTable(RoundPolicy(), limits=limits)
     config = QuantConfig(scheme=Scheme.FLOAT32)
     for job, size in (("small", numel), ("large", 2 * numel)):
-        table.join(job, 0, 1)
+        table.join(JobSpec(job, 0, 1))
         wait(table, push(table, job, 0, 0, 0, encode(np.ones(size, np.float32), config)))
         # Finished: its accumulator waits in the pool, and with the retained means it fits the budget.
         assert table.budget.in_use + table.accumulators.free_bytes <= table.budget.limit

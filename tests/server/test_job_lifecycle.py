@@ -10,6 +10,7 @@ from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import FailedPreconditionError, ResourceExhaustedError, RoundAbortedError
+from gradq.server.job_spec import JobSpec
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable, RoundTicket
@@ -34,7 +35,7 @@ def step_all(table: RoundTable, step: int, world: int = 2, incarnation: str = ""
 def table_with(world: int = 2, incarnation: str = "", timeout: float = 5.0, **limits: object) -> RoundTable:
     table = RoundTable(RoundPolicy(round_timeout_s=timeout, retain_steps=2), limits=ServiceLimits(**limits))  # type: ignore[arg-type]
     for rank in range(world):
-        table.join("job", rank, world, incarnation)
+        table.join(JobSpec("job", rank, world, incarnation))
     return table
 
 
@@ -65,15 +66,15 @@ def test_a_new_incarnation_starts_fresh_and_aborts_the_old_runs_rounds() -> None
     for step in range(50):
         step_all(table, step, incarnation="run-1")
     waiting: RoundTicket = push(table, "job", 50, 0, 0, encode(values(0, 50), EXACT), incarnation="run-1")
-    table.join("job", 0, 2, "run-2")  # torchrun restarted the job: rank 0 rejoins at step 0
+    table.join(JobSpec("job", 0, 2, "run-2"))  # torchrun restarted the job: rank 0 rejoins at step 0
     with pytest.raises(RoundAbortedError, match=r"superseded: job 'job' \(incarnation='run-1'\) was restarted"):
         wait(table, waiting)
     with pytest.raises(FailedPreconditionError, match=r"rank=1 has not joined job 'job' \(incarnation='run-2'\)"):
         push(table, "job", 0, 0, 1, encode(values(1, 0), EXACT), incarnation="run-2")
-    table.join("job", 1, 2, "run-2")
+    table.join(JobSpec("job", 1, 2, "run-2"))
     step_all(table, 0, incarnation="run-2")  # step 0 is not stale in the new run
     with pytest.raises(FailedPreconditionError, match=r"incarnation='run-1' of job 'job' was superseded"):
-        table.join("job", 1, 2, "run-1")
+        table.join(JobSpec("job", 1, 2, "run-1"))
 
 
 def test_a_push_or_leave_of_another_incarnation_is_refused_naming_both() -> None:
@@ -98,7 +99,7 @@ def test_every_rank_leaving_starts_the_job_fresh_and_fails_its_orphaned_round() 
         wait(table, orphan)
     assert table.in_flight() == 0 and table.active_jobs() == {}
     for rank in range(2):
-        table.join("job", rank, 2)
+        table.join(JobSpec("job", rank, 2))
     step_all(table, 0)  # the same job id, run again from step 0
 
 
@@ -107,7 +108,7 @@ def test_idle_jobs_expire_and_their_rounds_fail() -> None:
     table = RoundTable(
         RoundPolicy(round_timeout_s=1e6), clock=lambda: now[0], limits=ServiceLimits(job_idle_timeout_s=60)
     )
-    table.join("idle", 0, 2)
+    table.join(JobSpec("idle", 0, 2))
     ticket = push(table, "idle", 0, 0, 0, encode(values(0, 0), EXACT))
     now[0] = 61.0
     table.sweep()
@@ -120,19 +121,19 @@ def test_5b_one_host_inventing_job_ids_cannot_take_the_whole_table() -> None:
     limits = ServiceLimits(max_jobs=20, max_jobs_per_peer=5, job_idle_timeout_s=60.0)
     table = RoundTable(RoundPolicy(), limits=limits)
     for number in range(5):
-        table.join(f"storm-{number}", 0, 2, peer="ipv4:10.0.0.66")
+        table.join(JobSpec(f"storm-{number}", 0, 2), peer="ipv4:10.0.0.66")
     with pytest.raises(ResourceExhaustedError, match=r"client ipv4:10\.0\.0\.66 has started 5 jobs .*"
                        r"--max-jobs-per-peer=5"):  # fmt: skip
-        table.join("storm-5", 0, 2, peer="ipv4:10.0.0.66")
-    assert table.join("legit", 0, 2, peer="ipv4:10.0.0.7").joined == 1  # another host still starts its job
-    table.join("storm-0", 1, 2, peer="ipv4:10.0.0.66")  # joining a job it started is not starting one
+        table.join(JobSpec("storm-5", 0, 2), peer="ipv4:10.0.0.66")
+    assert table.join(JobSpec("legit", 0, 2), peer="ipv4:10.0.0.7").joined == 1  # another host still starts its job
+    table.join(JobSpec("storm-0", 1, 2), peer="ipv4:10.0.0.66")  # joining a job it started is not starting one
     table.leave("storm-0", 0)
     table.leave("storm-0", 1)  # forgotten: its slot is free again
-    table.join("storm-5", 0, 2, peer="ipv4:10.0.0.66")
+    table.join(JobSpec("storm-5", 0, 2), peer="ipv4:10.0.0.66")
     assert len(table.active_jobs()) == 6
     # Restarted by another host under a new incarnation, a job keeps its slot with the host that started it.
-    table.join("storm-1", 0, 2, incarnation="run-2", peer="ipv4:10.0.0.7")
+    table.join(JobSpec("storm-1", 0, 2, incarnation="run-2"), peer="ipv4:10.0.0.7")
     with pytest.raises(ResourceExhaustedError, match="--max-jobs-per-peer=5"):
-        table.join("storm-6", 0, 2, peer="ipv4:10.0.0.66")
+        table.join(JobSpec("storm-6", 0, 2), peer="ipv4:10.0.0.66")
     for number in range(4):
-        table.join(f"other-{number}", 0, 2, peer="ipv4:10.0.0.7")  # legit plus these: its own 5
+        table.join(JobSpec(f"other-{number}", 0, 2), peer="ipv4:10.0.0.7")  # legit plus these: its own 5

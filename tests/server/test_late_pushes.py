@@ -18,6 +18,7 @@ import round_calls
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundAbortedError
+from gradq.server.job_spec import JobSpec
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.round_state import FAILED_ROUND_BYTES
@@ -43,7 +44,7 @@ def values(rank: int, step: int) -> np.ndarray:
 def table_of(world: int, clock: Clock, **limits: object) -> RoundTable:
     table = RoundTable(RoundPolicy(round_timeout_s=TIMEOUT_S), clock=clock, limits=ServiceLimits(**limits))  # type: ignore[arg-type]
     for rank in range(world):
-        table.join("job", rank, world)
+        table.join(JobSpec("job", rank, world))
     return table
 
 
@@ -155,7 +156,7 @@ def test_a_member_failing_rounds_on_purpose_exhausts_only_its_own_share() -> Non
     clock = Clock()
     share = 64 << 10
     table = table_of(2, clock, max_job_memory_bytes=share, max_memory_bytes=16 * share)
-    table.join("other", 0, 1)
+    table.join(JobSpec("other", 0, 1))
     poisoned = encode(np.zeros(4, np.float32), EXACT)
     refused: tuple[int, str] | None = None
     for bucket in range(10_000):  # a new round key every time, each failed at once (NaN under --non-finite reject)

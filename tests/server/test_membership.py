@@ -8,6 +8,7 @@ from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.errors import RoundAbortedError
+from gradq.server.job_spec import JobSpec
 from gradq.server.limits import ServiceLimits
 from gradq.server.liveness import Liveness
 from gradq.server.membership import ANY_RANK, Membership
@@ -24,8 +25,8 @@ def replaced_member_table(partial_quorum: int) -> tuple[RoundTable, list[float]]
     clock = [0.0]
     table = RoundTable(RoundPolicy(round_timeout_s=1.0, partial_quorum=partial_quorum), clock=lambda: clock[0])
     for member in (0, 1):
-        table.join("grow", member, 2, "run", elastic=True)
-    assert table.join("grow", ANY_RANK, 2, "run", elastic=True).rank == 2  # pending: it waits for the state
+        table.join(JobSpec("grow", member, 2, "run", elastic=True))
+    assert table.join(JobSpec("grow", ANY_RANK, 2, "run", elastic=True)).rank == 2  # pending: it waits for the state
     relays = StateRelays(table, lambda job, event: None)
     relays.open("grow", 2, "run")
     relays.claim("grow", 0, "run", 2, StateHeader(sender=0, step=0, total_bytes=1))  # admitted from step 0
@@ -64,11 +65,11 @@ def members_of(table: RoundTable, job_id: str) -> Membership:
 def test_a_former_holders_watch_ending_never_hits_the_member_that_took_its_id(elastic: bool) -> None:
     table, liveness = watching_table()
     for member in (0, 1):
-        table.join("reuse", ANY_RANK if elastic else member, 2, "run", elastic=elastic)
+        table.join(JobSpec("reuse", ANY_RANK if elastic else member, 2, "run", elastic=elastic))
     former = liveness.open("reuse", 1, "run")
     # The order of events the issue saw: member 1 leaves, a new holder joins as 1, then the old stream ends.
     table.leave("reuse", 1, "run")
-    assert table.join("reuse", ANY_RANK if elastic else 1, 2, "run", elastic=elastic).rank == 1
+    assert table.join(JobSpec("reuse", ANY_RANK if elastic else 1, 2, "run", elastic=elastic)).rank == 1
     liveness.close(former)
     members = members_of(table, "reuse")
     assert members.holds(1, pending_ok=True) and 1 not in members.lost and 1 not in members.dropped
@@ -82,7 +83,7 @@ def test_a_former_holders_watch_ending_never_hits_the_member_that_took_its_id(el
 def test_every_rank_of_a_host_watches_the_same_tenure_of_its_member() -> None:
     table, liveness = watching_table()
     for _ in range(2):  # a host's two ranks join as member 0, one after the other: a rejoin keeps the tenure
-        table.join("host", 0, 1, "run")
+        table.join(JobSpec("host", 0, 1, "run"))
     watches = [liveness.open("host", 0, "run") for _ in range(2)]
     assert watches[0].tenure == watches[1].tenure != 0
     liveness.close(watches[0])  # either rank's process exiting is the member's loss
@@ -92,7 +93,7 @@ def test_every_rank_of_a_host_watches_the_same_tenure_of_its_member() -> None:
 def test_a_round_failed_before_an_elastic_job_formed_says_how_many_hosts_joined() -> None:
     clock = [0.0]
     table = RoundTable(RoundPolicy(round_timeout_s=1.0), clock=lambda: clock[0])
-    table.join("forming", ANY_RANK, 3, "run", elastic=True)  # 1 of the 3 hosts it starts with
+    table.join(JobSpec("forming", ANY_RANK, 3, "run", elastic=True))  # 1 of the 3 hosts it starts with
     ticket = push(table, "forming", 0, 0, 0, VALUES, incarnation="run")
     clock[0] = 1.0
     with pytest.raises(RoundAbortedError, match=r"before the elastic job formed: 1 of the 3 hosts it starts with"):

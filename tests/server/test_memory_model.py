@@ -24,6 +24,7 @@ from gradq.client.chunks import chunk_bounds
 from gradq.qcore import QuantConfig, Scheme, codec_for, decode, encode
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.errors import ResourceExhaustedError
+from gradq.server.job_spec import JobSpec
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
@@ -107,7 +108,7 @@ def test_a_retained_mean_is_held_once() -> None:
     numel, steps = 1 << 20, 6
     decode(encode(np.ones(numel, np.float32), CONFIG))  # the kernels' first-call allocations happen before
     table = RoundTable(RoundPolicy(retain_steps=RETAIN_STEPS, server_error_feedback=False), package=package_result)
-    table.join("job", 0, 1)
+    table.join(JobSpec("job", 0, 1))
     gradient = np.random.default_rng(0).standard_normal(numel, np.float32)
     gc.collect()
     logging.disable(logging.WARNING)
@@ -132,7 +133,7 @@ def test_a_retained_mean_is_held_once() -> None:
 def test_server_error_feedback_residuals_are_charged_until_the_job_ends() -> None:
     numel = 1000
     table = RoundTable(RoundPolicy(retain_steps=RETAIN_STEPS, server_error_feedback=True))
-    table.join("job", 0, 1)
+    table.join(JobSpec("job", 0, 1))
     for step in range(4):
         for bucket in (0, 1):
             wait(table, push(table, "job", step, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))
@@ -150,7 +151,7 @@ def test_a_job_inventing_round_keys_under_server_error_feedback_is_refused_at_it
         RoundPolicy(server_error_feedback=True),
         limits=ServiceLimits(max_job_memory_bytes=share, max_memory_bytes=8 * share),
     )
-    table.join("job", 0, 1)
+    table.join(JobSpec("job", 0, 1))
     with pytest.raises(ResourceExhaustedError, match=r"error-feedback residual.*--max-job-memory-bytes"):
         for bucket in range(share // (4 * numel) + 2):
             wait(table, push(table, "job", 0, bucket, 0, encode(np.ones(numel, np.float32), CONFIG)))

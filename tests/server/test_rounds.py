@@ -10,6 +10,7 @@ from round_calls import contribute, push, wait
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import CancelledError, FailedPreconditionError, InvalidArgumentError, RoundAbortedError
+from gradq.server.job_spec import JobSpec
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundResult, RoundTable
 
@@ -38,7 +39,7 @@ def contribute_all(
 def joined_table(world_size: int, **policy: object) -> RoundTable:
     table = RoundTable(RoundPolicy(**policy))  # type: ignore[arg-type]
     for rank in range(world_size):
-        table.join("job", rank, world_size)
+        table.join(JobSpec("job", rank, world_size))
     return table
 
 
@@ -70,7 +71,7 @@ def test_missing_rank_fails_round_at_deadline_naming_it() -> None:
     clock = [0.0]
     table = RoundTable(RoundPolicy(round_timeout_s=0.5), clock=lambda: clock[0])
     for rank in range(3):
-        table.join("job", rank, 3)
+        table.join(JobSpec("job", rank, 3))
     tickets = [push(table, "job", 0, 0, rank, encode(np.ones(4, np.float32), EXACT)) for rank in (0, 2)]
     clock[0] = 0.49
     with pytest.raises(CancelledError):
@@ -126,13 +127,13 @@ def test_stale_step_is_rejected_after_newer_rounds_finish() -> None:
 def test_join_rejects_bad_world_and_rank() -> None:
     table = RoundTable(RoundPolicy(world_size=4))
     with pytest.raises(FailedPreconditionError, match=r"configuration mismatch: this job has 3 ranks.*--world-size=4"):
-        table.join("job", 0, 3)
+        table.join(JobSpec("job", 0, 3))
     with pytest.raises(InvalidArgumentError, match=r"rank=4 is out of range; expected 0..3"):
-        table.join("job", 4, 4)
+        table.join(JobSpec("job", 4, 4))
     with pytest.raises(InvalidArgumentError, match="job_id"):
-        table.join("", 0, 4)
-    table.join("job", 0, 4)
-    answer = table.join("job", 0, 4)  # rejoin is idempotent
+        table.join(JobSpec("", 0, 4))
+    table.join(JobSpec("job", 0, 4))
+    answer = table.join(JobSpec("job", 0, 4))  # rejoin is idempotent
     assert (answer.world_size, answer.joined) == (4, 1)
 
 
@@ -140,7 +141,7 @@ def test_leave_closes_rounds_waiting_for_that_rank_at_once() -> None:
     clock = [0.0]
     table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: clock[0])
     for rank in range(2):
-        table.join("job", rank, 2)
+        table.join(JobSpec("job", rank, 2))
     ticket = push(table, "job", 0, 0, 0, encode(np.ones(3, np.float32), EXACT))
     table.leave("job", 1)
     assert ticket.round.done.is_set()  # closed by the Leave: the clock never reached the deadline
@@ -181,7 +182,7 @@ def test_server_error_feedback_carries_the_return_error_forward() -> None:
 def test_a_round_divides_by_the_ranks_its_members_stand_for_also_when_partial() -> None:
     table = RoundTable(RoundPolicy(round_timeout_s=0.5, partial_quorum=1, return_scheme=Scheme.FLOAT32))
     for host, ranks in enumerate((3, 1, 2)):
-        table.join("job", host, 3, ranks=ranks)
+        table.join(JobSpec("job", host, 3, ranks=ranks))
     sums = {0: 3 * 2.0, 1: 6.0, 2: 2 * 5.0}  # each host pushes the sum over its ranks
     results = contribute_all(table, [0, 1, 2], lambda host: np.full(8, sums[host], np.float32))
     for result in results.values():

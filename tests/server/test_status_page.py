@@ -13,6 +13,7 @@ from status_html import cells
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
+from gradq.server.job_spec import JobSpec
 from gradq.server.membership import ANY_RANK
 from gradq.server.metrics import JobTotals
 from gradq.server.policy import RoundPolicy
@@ -91,8 +92,8 @@ def test_an_elastic_jobs_pending_joiner_and_lost_member_are_shown_as_such(start_
     assert server.metrics_port is not None
     table, liveness = server.table, server.servicer.liveness
     for member in (0, 1, 2):
-        table.join("grow", member, 3, "run-1", elastic=True)  # three members: the job is formed
-    assert table.join("grow", ANY_RANK, 3, "run-1", elastic=True).catch_up  # member 3 waits for the state
+        table.join(JobSpec("grow", member, 3, "run-1", elastic=True))  # three members: the job is formed
+    assert table.join(JobSpec("grow", ANY_RANK, 3, "run-1", elastic=True)).catch_up  # member 3 waits for the state
     liveness.close(liveness.open("grow", 1, "run-1"))  # member 1's Watch ends without a Leave
     table.leave("grow", 2, "run-1")
     page, _ = fetch(server.metrics_port)
@@ -159,7 +160,7 @@ def test_an_idle_aggregator_says_so() -> None:
 def test_the_page_is_bounded_however_many_jobs_clients_start(start_aggregator: StartAggregator) -> None:
     server = start_aggregator(metrics_port=0)
     for index in range(60):
-        server.table.join(f"job-{index}", 0, 2)
+        server.table.join(JobSpec(f"job-{index}", 0, 2))
     page, _ = fetch(server.metrics_port or 0)
     assert len(cells(page, "jobs")) == 50
     assert "60 live job(s), the 50 most recently active shown" in page

@@ -6,6 +6,7 @@ import numpy as np
 from round_calls import push, wait
 
 from gradq.qcore import QuantConfig, Scheme, decode, encode
+from gradq.server.job_spec import JobSpec
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundResult, RoundTable
 
@@ -15,7 +16,7 @@ EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 def _table(world_size: int) -> RoundTable:
     table = RoundTable(RoundPolicy(round_timeout_s=5.0, return_scheme=Scheme.FLOAT32))
     for rank in range(world_size):
-        table.join("job", rank, world_size)
+        table.join(JobSpec("job", rank, world_size))
     return table
 
 
