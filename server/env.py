@@ -46,7 +46,8 @@ SERVE_ENVIRONMENT = {
     "GRADQ_ROUND_TIMEOUT": "seconds from a round's first contribution until it fails for every waiter, naming the "
     "missing ranks",
     "GRADQ_PARTIAL_QUORUM": "0: strict rounds. N: at its deadline a round with >= N ranks completes over them "
-    "(response says partial)",
+    "(response says partial). Counts ranks, like `--world-size`: a host of L ranks under two-level aggregation "
+    "counts L; a job with fewer than N ranks is refused at Join",
     "GRADQ_RETURN_SCHEME": "grid of the mean sent back: 'same' as the pushes, 'fp16', 'fp32', or a scheme such as "
     "per_channel_affine",
     "GRADQ_RETURN_BITS": "bits of a quantized --return-scheme",

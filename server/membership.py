@@ -355,9 +355,15 @@ class Membership:
         """The members a round waits for that have not contributed, ascending."""
         return tuple(sorted(self.expected() - contributors))
 
-    def quorum_met(self, contributors: set[int], quorum: int) -> bool:
-        """Whether a round short of members may close over ``contributors`` (--partial-quorum; 0: never)."""
-        return bool(quorum) and len(contributors) >= quorum
+    def quorum_met(self, contributors: set[int], quorum: int, in_ranks: bool = True) -> bool:
+        """Whether a round short of members may close over ``contributors`` (0: never).
+
+        ``in_ranks``: the quorum counts the ranks the contributors stand for (--partial-quorum, like
+        --world-size: a host of L ranks counts L under two-level aggregation); else it counts members
+        (hosts: a semi-synchronous round's quorum, JoinRequest.semi_sync).
+        """
+        counted = sum(self.ranks.get(member, 1) for member in contributors) if in_ranks else len(contributors)
+        return bool(quorum) and counted >= quorum
 
     # -- what others are told -------------------------------------------------------------------
 

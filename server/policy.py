@@ -23,7 +23,10 @@ class RoundPolicy:
         round_timeout_s: a round not complete this long after its first
             contribution fails for every waiter, naming the missing ranks.
         partial_quorum: 0 for strict rounds; else a round at its deadline with at
-            least this many ranks completes over them and says so.
+            least this many ranks completes over them and says so. It counts
+            ranks, as world_size does: a member standing for a host's L ranks
+            (two-level aggregation) counts L; a job with fewer ranks is refused
+            at Join, since none of its rounds could close short.
         return_scheme: None returns the mean on the pushers' own grid
             (scheme, bits, channel size); else this scheme (e.g. FLOAT16).
         return_bits: bits for a quantized ``return_scheme`` (ignored otherwise).

@@ -99,7 +99,7 @@ class RoundCloser:
             )
             self.fail(job, rnd, error, "overflow")
             return
-        if job.outer is not None and job.outer.advance(rnd.bucket, rnd.step, decode(encoded)):
+        if job.outer is not None and job.outer.advance(rnd.bucket, rnd.step, decode(encoded), job.describe()):
             # The aggregator's copy of the global state took the mean every member receives, as they will.
             self._outer_boundary(job, rnd.step + 1)
         if self._observer is not None:
@@ -118,8 +118,9 @@ class RoundCloser:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         with self._jobs.lock:  # an elastic job's members change under it
             missing = job.members.missing(rnd.contributors)
+            semi_sync = job.semi_sync is not None
             quorum = job.semi_sync.quorum if job.semi_sync is not None else self.policy.partial_quorum
-            quorum_met = job.members.quorum_met(rnd.contributors, quorum)
+            quorum_met = job.members.quorum_met(rnd.contributors, quorum, in_ranks=not semi_sync)
             forming = job.members.elastic and not job.members.formed
             joined = len(job.members.joined)
         if quorum_met:

@@ -127,6 +127,13 @@ class RoundTable:
             InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
             UnavailableError: see ``JobTable.join``.
         """
+        quorum, ranks = self.policy.partial_quorum, spec.job_ranks or spec.world_size
+        if quorum > ranks:
+            raise FailedPreconditionError(
+                f"job_ranks={ranks} is below gradq serve --partial-quorum={quorum}, which counts ranks: no round of "
+                f"this job could ever close short of ranks; start the aggregator with --partial-quorum of at most "
+                f"{ranks} (or 0: strict rounds), or give the job at least {quorum} ranks"
+            )
         job, retired, member = self.jobs.join(spec, self._clock(), peer)
         self._retire(retired)
         with self.jobs.lock:
@@ -275,6 +282,31 @@ class RoundTable:
     def admit(
         self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
     ) -> RoundTicket:
+        """A push's first half (``_admit``); in a DiLoCo job, whoever it shows behind the job's outer round catches up.
+
+        Returns:
+            The ticket of the round the push joins.
+
+        Raises:
+            What ``_admit`` raises; FailedPreconditionError (Refusal.BEHIND) for a DiLoCo push that would
+            open a round older than the job's outer round: its member is pending from then on (``leave_behind``).
+        """
+        try:
+            ticket = self._admit(job_id, step, bucket, rank, tensor, incarnation)
+        except FailedPreconditionError as error:
+            if error.refusal is Refusal.BEHIND:
+                with self.jobs.lock:  # (a member that left meanwhile is refused as such instead)
+                    job = self.jobs.member(job_id, rank, incarnation, self._clock(), late_step=step)
+                newest = job.outer.newest if job.outer is not None else step
+                self.leave_behind(job, newest, {rank: step}, f"member {rank} pushed outer round {step}")
+            raise
+        if ticket.job.outer is not None:  # a push of a newer outer round leaves the older rounds in flight behind
+            self.leave_behind(ticket.job, step, {}, f"member {rank} pushed outer round {step}")
+        return ticket
+
+    def _admit(
+        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
+    ) -> RoundTicket:
         """A push's first half: every check that can refuse, and the round found or opened. Never decodes.
 
         Cheap (no pass over the payload, only the job table's lock), so the
@@ -303,6 +335,8 @@ class RoundTable:
                 self.budget.adjust(rnd.charged, 0, job.memory)  # a done round's charge is final
                 rnd.charged = 0
                 rnd = None
+            if job.outer is not None:  # DiLoCo: the push must fit the job's global state (gradq.server.outer_state)
+                job.outer.check_push(bucket, step, tensor.numel, rnd is None, job.describe(), self.budget, job.memory)
             loss = job.members.blocking_loss(self.policy.partial_quorum)
             if loss and (rnd is None or not rnd.done.is_set()):
                 raise RoundAbortedError(
@@ -437,6 +471,41 @@ class RoundTable:
             self.membership_changed(job, "late")
             self.finish_rounds_complete(job, f"member {rank} was late")
         return True
+
+    def leave_behind(self, job: Job, step: int, behind: dict[int, int], reason: str) -> None:
+        """DiLoCo: ``job``'s outer round is ``step`` (gradq.server.outer_state); whoever is behind it catches up.
+
+        The job's rounds in flight of earlier outer rounds fail now (Refusal.BEHIND), not at their deadline;
+        their contributors and ``behind`` (member -> the outer round it pushed) become pending, as a late
+        host does: the rounds stop waiting for them, and they take the job's state at the next boundary.
+        """
+        with self.jobs.lock:
+            older = [rnd for rnd in job.open if rnd.step < step]
+        if not older and not behind:
+            return
+        for rnd in older:
+            with rnd.lock:
+                if rnd.done.is_set():
+                    continue
+                behind.update(dict.fromkeys(rnd.contributors, rnd.step))
+                error = FailedPreconditionError(
+                    f"{rnd.describe(job.job_id)} failed: {reason}, so {job.describe()} is at outer round {step}, "
+                    f"past this round's {rnd.step}; its hosts take the job's state at the next outer-round boundary",
+                    Refusal.BEHIND,
+                )
+                self._closer.fail(job, rnd, error, "behind")
+        with self.jobs.lock:
+            moved = sorted(member for member, at in behind.items() if job.members.make_late(member, at))
+        if moved:
+            log.warning(
+                "members %s of %s are behind its outer round %d (%s): pending until the next outer-round boundary",
+                moved,
+                job.describe(),
+                step,
+                reason,
+            )
+            self.membership_changed(job, "late")
+            self.finish_rounds_complete(job, f"members {moved} are behind outer round {step}")
 
     def _completes(self, job: Job, contributors: set[int]) -> bool:
         """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
