@@ -10,11 +10,14 @@ host with the same job id::
         GRADQ_BITS=4 GRADQ_ERROR_FEEDBACK=1
     for host in 0 1 2; do python examples/diloco_train.py --data-seed $host & done; wait
 
-The gradq lines are the two that wrap the loop in ``DiLoCo``. The job trains
-once GRADQ_ELASTIC_HOSTS hosts have joined; a host started later joins at the
-next outer round with the global state. ``--checkpoint FILE --save-at-round K``
-saves after round K and exits; ``--resume`` continues from FILE. ``--report
-DIR`` writes this host's losses, figures and global parameters there.
+The gradq lines are the two that wrap the loop in ``DiLoCo`` and iterate
+``diloco.steps(total)``, the job's inner steps. The job trains once
+GRADQ_ELASTIC_HOSTS hosts have joined; a host started later joins at the next
+outer round with the global state, and one dropped or late takes it at the
+round the others reached: ``steps`` goes on from there and ends with the job.
+``--checkpoint FILE --save-at-round K`` saves after round K and exits;
+``--resume`` continues from FILE. ``--report DIR`` writes this host's losses,
+figures and global parameters there.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ def main() -> None:
         if args.die_in_round >= 0:
             inner.register_step_post_hook(lambda *_: _die_during(diloco, args.die_in_round))
         joined_at = diloco.outer_round
-        while diloco.inner_steps < args.rounds * args.sync_every:
-            step = diloco.inner_steps
+        # The job's inner steps, not a count of this host's: after a rejoin or a late round it goes on from the job's.
+        for step in diloco.steps(args.rounds * args.sync_every):
             inputs, targets = windows(train, np.random.default_rng([args.data_seed, rank, step]), BATCH)
             loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
             loss.backward()

@@ -11,7 +11,13 @@ lines in it are::
     state = GradqHookState.from_config(GradqConfig.of(aggregator, job_id="digits", elastic_hosts=3))
     model.register_comm_hook(state, gradq_hook)
     state.share(model, optimizer)
-    step = state.start()  # 0, or the step a joiner received the state at
+    for step in state.steps(200):  # the job's steps: from 0, or from where it joined, to the job's end
+        ...
+
+A host dropped while it was silent (stopped, partitioned) joins again by itself
+and takes the state at the step the others have reached; ``state.steps`` then
+goes on from that step. A counted ``range(state.start(), 200)`` would go on
+from its own count and train past the job's end, alone once the others left.
 
 Under one torchrun per host (``torchrun --standalone --nproc_per_node=N
 examples/elastic_train.py ...``) the host's ranks reduce together first.

@@ -117,11 +117,12 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
                 decode(encode(np.zeros(8, np.float32), spec.gradq.quant))  # warm: the kernels load now, not at the Join
                 while not spec.join_when.exists():
                     time.sleep(0.01)
-            first = step = state.start()
-            client = state.client
-            assert client is not None
-            member = client.rank
-            while step < spec.steps:
+            first = last = state.start()  # 0, or the step this host received the state at
+            # The job's steps, not a count of this host's: one dropped and joined again goes on from the job's step.
+            for step in state.steps(spec.steps):
+                client = state.client
+                assert client is not None
+                member = client.rank  # a host that joined again may hold another member id
                 for group in optimizer.param_groups:
                     group["lr"] = spec.learning_rate * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
                 draw = np.random.default_rng([spec.seed, step, member, local_rank])
@@ -133,22 +134,23 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
                 rejoins = state.rejoins
                 loss.backward()
                 optimizer.step()  # a host found dropped in this step rejoins here and takes the state
-                if state.rejoins != rejoins:  # its step was dropped with it: go on from the step it joined at
-                    step, member = state.step, state.client.rank if state.client is not None else member
-                    continue
+                if state.rejoins != rejoins:
+                    continue  # its step was dropped with it: the model holds the job's state of a later step
                 world = state.world()
                 if spec.on_step is not None and local_rank == 0:
                     spec.on_step(
                         ElasticStep(step, member, time.time(), loss.item(), _digest(model), world.ranks if world else 0)
                     )
-                step += 1
+                last = step + 1
                 if spec.step_sleep_s:
                     time.sleep(spec.step_sleep_s)
             with torch.no_grad():
                 logits = model.module(torch.from_numpy(x_test))
                 held_out = nn.functional.cross_entropy(logits, torch.from_numpy(y_test)).item()
                 accuracy = 100.0 * (logits.argmax(1).numpy() == y_test).mean()
-            return ElasticResult(member, first, step - first, held_out, float(accuracy), _digest(model))
+            client = state.client
+            member = client.rank if client is not None else -1
+            return ElasticResult(member, first, last - first, held_out, float(accuracy), _digest(model))
         finally:
             if state is not None:
                 state.close()

@@ -2,15 +2,16 @@
 
 A thin adapter over a gradq session (gradq.client.session): the state holds the
 configuration, the step and what an elastic joiner receives; the session,
-connected on the first bucket (or at ``start()``), does the rest. The hook
-hands each bucket to the session and returns its future at once; the thread
-that reads each answer fills it with the averaged bucket.
+connected on the first bucket (or at ``start()``, or the first step of
+``steps(total)``), does the rest. The hook hands each bucket to the session
+and returns its future at once; the thread that reads each answer fills it
+with the averaged bucket.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at
 # registration and needs real types, not strings.
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -35,6 +36,7 @@ from gradq.client.session.elastic import (
     serve_joiners,
 )
 from gradq.client.session.host_groups import HostGroup
+from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
@@ -66,7 +68,7 @@ class GradqHookState:
         error_feedback, fallback, job_id, timeout_s, connect_timeout_s, security,
         chunk_elements, max_in_flight, codec, host_grouping, host, elastic_hosts, elastic_max_hosts,
         bit_policy, average_bits: as in GradqConfig. An elastic host calls
-            ``share(...)`` and ``start()`` before training.
+            ``share(...)`` before training, then trains ``for step in state.steps(total)``.
 
     Raises:
         ValueError: a bad value or combination (see GradqConfig).
@@ -289,6 +291,39 @@ class GradqHookState:
         self.step = receive_training_state(session, self._shared, self.step)
         return self.step
 
+    def steps(self, total: int) -> Iterator[int]:
+        """The job's steps this host trains, up to ``total``: the elastic loop, ``for step in state.steps(total):``.
+
+        Joins first, as ``start()`` does, unless the state is connected already
+        (``start()`` called, or a resumed fixed job). Each iteration is one step
+        (one backward through the hook and the optimizer's step). A host
+        dropped from an elastic job during a step rejoins at the optimizer's
+        step and receives the state at the step the others have reached; the
+        next step yielded is that one, so the host never repeats or skips one
+        of the job's steps and stops with the others at ``total``. A counted
+        ``range(state.start(), total)`` goes on from its own count instead and
+        trains past the job's end, alone once the others have left. A joiner
+        that receives the state at ``total`` or later yields nothing. A fixed
+        job (``elastic_hosts=0``) yields ``state.step``, then one more each
+        iteration.
+
+        Args:
+            total: the step the job ends at (its steps in all).
+
+        Returns:
+            An iterator of the steps to train.
+
+        Raises:
+            ValueError: ``total`` is not an integer >= 0.
+            AggregationError: at the first iteration, as ``start()``.
+        """
+        check_total(total)
+        return self._steps(total)
+
+    def _steps(self, total: int) -> Iterator[int]:
+        first = self.start() if self._session is None else self.step
+        yield from job_steps(first, total, lambda: self.step, lambda: self.rejoins)
+
     def _absorb(self, error: BaseException) -> bool:
         """A bucket failed because the aggregator dropped this host: rejoin after this step instead of raising.
 
@@ -380,7 +415,8 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     """
     if state.session is None and state.elastic_hosts and not state._closed:
         raise RuntimeError(
-            "an elastic host joins before training: call state.share(model, optimizer) and state.start()"
+            "an elastic host joins before training: call state.share(model, optimizer), then train "
+            "`for step in state.steps(total)` (or call state.start() first)"
         )
     session = state._connected()
     buffer = bucket.buffer()

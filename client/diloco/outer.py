@@ -71,6 +71,7 @@ from gradq.client.session.elastic import (
     serve_joiners,
 )
 from gradq.client.session.host_groups import HostGroup
+from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.stats import ClientStats
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]
@@ -89,10 +90,11 @@ def default_outer_optimizer(parameters: Iterator[nn.Parameter] | Sequence[nn.Par
 class DiLoCo:
     """A training loop's outer rounds through gradq (see the module docstring); a context manager.
 
-    Usage, the loop otherwise unchanged::
+    Usage, the loop otherwise unchanged (``steps`` says why it iterates the job's steps)::
 
-        with DiLoCo(GradqConfig.from_env(), model, inner_optimizer, sync_every=50):
-            for inputs, targets in batches:
+        with DiLoCo(GradqConfig.from_env(), model, inner_optimizer, sync_every=50) as diloco:
+            for step in diloco.steps(total_steps):
+                inputs, targets = batch_at(step)
                 loss_fn(model(inputs), targets).backward()
                 inner_optimizer.step()
                 inner_optimizer.zero_grad()
@@ -217,6 +219,37 @@ class DiLoCo:
             self._enter()
             self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         return self.outer_round
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The job's inner steps this host trains, up to ``total``: ``for step in diloco.steps(total):``.
+
+        Starts first, as ``start()`` does, if it has not started. Each
+        iteration is one inner step (the inner optimizer's ``step()``); every
+        ``sync_every``-th ends with an outer round. A host dropped from the job
+        (silent past the keepalive) or late for a semi-synchronous round takes
+        the global state at the round the others have reached; the next step
+        yielded is that round's first (``outer_round * sync_every``), so the
+        host never repeats or skips one of the job's steps and stops with the
+        others at ``total``. A loop that counts its own steps (or its batches)
+        goes on from its own count instead and trains past the job's end, alone
+        once the others have left. A joiner that receives the state at
+        ``total`` or later yields nothing.
+
+        Args:
+            total: the inner step the job ends at (``rounds * sync_every`` for ``rounds`` outer rounds).
+
+        Returns:
+            An iterator of the inner steps to train; ``inner_steps`` also holds the step being trained.
+
+        Raises:
+            ValueError: ``total`` is not an integer >= 0.
+        """
+        check_total(total)
+        return self._steps(total)
+
+    def _steps(self, total: int) -> Iterator[int]:
+        self.start()
+        yield from job_steps(self.inner_steps, total, lambda: self.inner_steps, lambda: self.rejoins + self.late_rounds)
 
     def _connect(self) -> GradqSession:
         state = self.on_aggregator
