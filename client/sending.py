@@ -215,15 +215,19 @@ class ShardSender:
         call.add_done_callback(lambda done: self._on_reply(done, pending))
         return True
 
-    def fail(self, pending: PendingPush, code: grpc.StatusCode | None, details: str) -> None:
+    def fail(self, pending: PendingPush, code: grpc.StatusCode | None, details: str, refusal: str = "") -> None:
+        """Settle ``pending`` with an error naming its step, bucket and chunk (``refusal``: the reason, if any)."""
         bucket, chunk = pending.bucket % CHUNK_KEY_STRIDE, pending.bucket // CHUNK_KEY_STRIDE
         where = f"step {pending.step} bucket {bucket} chunk {chunk}"
-        pending.result.set_exception(AggregationError(self.addresses[pending.shard], code, f"{where}: {details}"))
+        address = self.addresses[pending.shard]
+        pending.result.set_exception(AggregationError(address, code, f"{where}: {details}", refusal))
 
     def _shard_down(self, shard: int, error: AggregationError) -> None:
         """Fail the pushes waiting for ``shard`` now, rather than each after its own retries."""
         for waiting in self.window.drain(shard):
-            self.fail(waiting, error.code, f"not sent: an earlier push to this shard failed ({error.details})")
+            # The refusal travels on: a push failed because its host was dropped is absorbed like the first.
+            details = f"not sent: an earlier push to this shard failed ({error.details})"
+            self.fail(waiting, error.code, details, error.refusal)
 
     def _on_reply(self, call: Reply, pending: PendingPush) -> None:
         code = call.code()
