@@ -38,8 +38,9 @@ def seed(table: RoundTable, request: Seed) -> Seeded:
     """Seed, or compare, one round key of a member's DiLoCo job (see gradq.server.outer_state).
 
     Raises:
-        FailedPreconditionError: not a member training in this run, or a job without an outer step.
-        InvalidArgumentError: the key, keys or sizes are out of range.
+        FailedPreconditionError: not a member training in this run, a job without an outer step, or a key
+            whose size differs from the one its first seed or push fixed.
+        InvalidArgumentError: the key, keys or sizes are out of range, or a value is NaN or Inf.
         ResourceExhaustedError: the job's or the aggregator's memory budget cannot hold a new key.
     """
     with table.jobs.lock:
@@ -51,7 +52,7 @@ def seed(table: RoundTable, request: Seed) -> Seeded:
             f"(DiLoCo with outer_step='hosts' averages only)"
         )
     # Charged before the copy is made: a seed the budget cannot hold is refused and holds nothing.
-    new = 0 if request.key in outer.held else 2 * request.parameters.nbytes
+    new = outer.charge_for_seed(request.key, request.parameters)
     what = f"the global state of key {request.key} of {job.describe()}"
     table.budget.charge(new, what, job.memory)
     try:
@@ -62,6 +63,12 @@ def seed(table: RoundTable, request: Seed) -> Seeded:
         table.budget.adjust(new, 0, job.memory)
         raise
     table.budget.adjust(new, seeded.new_bytes, job.memory)
+    if seeded.moved:
+        # The job's outer round is this seed's now (a host at a later round holds more training): rounds in
+        # flight of earlier ones are behind, and their hosts take this state at the next boundary.
+        table.leave_behind(job, request.step, {}, f"member {request.rank} seeded outer round {request.step}")
+    if seeded.whole:  # joiners waiting (a host behind, or after a restart) need not wait for a round to close
+        table.outer_boundary(job, request.step)
     if seeded.new_bytes:
         log.info(
             "%s seeded key %d before outer round %d (member %d)",
@@ -73,12 +80,15 @@ def seed(table: RoundTable, request: Seed) -> Seeded:
     elif not seeded.matched:
         log.warning(
             "member %d of %s holds other global parameters for key %d (outer round %d) than the aggregator "
-            "(outer round %d); it takes the aggregator's",
+            "(outer round %d); %s",
             request.rank,
             job.describe(),
             request.key,
             request.step,
             seeded.step,
+            "it takes the aggregator's"
+            if seeded.step == request.step
+            else "the job is past it: its next push is refused (BEHIND) and it takes the job's state",
         )
     return seeded
 

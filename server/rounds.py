@@ -489,8 +489,8 @@ class RoundTable:
                     continue
                 behind.update(dict.fromkeys(rnd.contributors, rnd.step))
                 error = FailedPreconditionError(
-                    f"{rnd.describe(job.job_id)} failed: {reason}, so {job.describe()} is at outer round {step}, "
-                    f"past this round's {rnd.step}; its hosts take the job's state at the next outer-round boundary",
+                    f"{rnd.describe(job.job_id)} failed: {reason}, so {job.describe()} is at outer round {step}, past "
+                    f"this round's outer round {rnd.step}; its hosts take the job's state at the next boundary",
                     Refusal.BEHIND,
                 )
                 self._closer.fail(job, rnd, error, "behind")

@@ -12,7 +12,10 @@ copies agree bit for bit. That is what lets
 - a restarted aggregator lose nothing: the hosts seed it again from theirs,
   momentum included, after the rejoin;
 - hosts that start from different weights agree: the first seed is the job's,
-  and the others adopt it.
+  and the others adopt it;
+- hosts at different outer rounds agree: the newest round is the job's, and a
+  host behind it takes the job's state at the next boundary (its push is
+  refused with Refusal.BEHIND, handled as a late host's).
 
 On a host of FSDP2 ranks each rank keeps the global state of its own shards
 (the parameters' local tensors) and seeds, pushes and receives its own round
@@ -162,9 +165,15 @@ class GlobalState:
                 )
                 if matched:
                     continue
-                if held_step != step:  # a resumed host seeds its own round next; a joiner is sent the job's
-                    log.info("the aggregator holds outer round %d of key %d, this host %d", held_step, key, step)
-                    continue
+                if held_step != step:
+                    # The job is past this host's round (a later seed or push is the job's): its next push is
+                    # refused (BEHIND) and it takes the whole state at the next boundary, never key by key.
+                    log.warning(
+                        "the job's global state is at outer round %d, this host at %d; it takes the job's state",
+                        held_step,
+                        step,
+                    )
+                    break
                 parameters.copy_(torch.from_numpy(np.frombuffer(theirs, dtype="<f4").copy()))
                 momentum.copy_(torch.from_numpy(np.frombuffer(their_momentum, dtype="<f4").copy()))
                 adopted += 1

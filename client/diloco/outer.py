@@ -518,8 +518,14 @@ class _GlobalState:
 
 
 def _late(error: AggregationError) -> bool:
-    """The aggregator closed a semi-synchronous round without this host and merged its push into the next."""
-    return error.refusal == "LATE"
+    """This host takes the job's state at the next outer-round boundary instead of its round's mean.
+
+    LATE: the aggregator closed a semi-synchronous round without this host and
+    merged its push into the next. BEHIND: the job's global state is past this
+    host's outer round (another host seeded or pushed a later one, see
+    gradq.server.outer_state); the aggregator made it pending, as a late host.
+    """
+    return error.refusal in ("LATE", "BEHIND")
 
 
 def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:

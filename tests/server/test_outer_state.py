@@ -21,7 +21,7 @@ from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.errors import FailedPreconditionError, InvalidArgumentError
 from gradq.server.limits import ServiceLimits
 from gradq.server.outer_service import AGGREGATOR_SENDER
-from gradq.server.outer_state import OuterState
+from gradq.server.outer_state import KEY_ENTRY_BYTES, OuterState
 from gradq.server.policy import RoundPolicy
 from gradq.server.state_relay import RELAY_BYTES
 
@@ -44,9 +44,9 @@ def test_the_state_moves_by_the_outer_step_and_is_whole_once_every_key_has() -> 
     assert state.snapshot(1) is None and state.snapshot(0) is not None
     parameters, momentum = values(0), np.zeros(1000, np.float32)
     take_outer_step(parameters, momentum, values(2), STEP)
-    assert not state.advance(0, 0, values(2))  # key 1 is still before round 0
-    assert not state.advance(0, 0, values(2))  # a second mean for the same round moves nothing
-    assert state.advance(1, 0, values(3, 10))
+    assert not state.advance(0, 0, values(2), "job")  # key 1 is still before round 0
+    assert not state.advance(0, 0, values(2), "job")  # a second mean for the same round moves nothing
+    assert state.advance(1, 0, values(3, 10), "job")
     snapshot = np.frombuffer(state.snapshot(1) or b"", dtype="<f4")
     np.testing.assert_array_equal(snapshot[:1000], parameters)  # key 0's parameters first, then key 1's ...
     np.testing.assert_array_equal(snapshot[1010:2010], momentum)  # ... then the momenta in the same order
@@ -61,7 +61,8 @@ def test_a_seed_is_compared_with_the_copy_held_and_a_later_round_replaces_it() -
     np.testing.assert_array_equal(np.frombuffer(other.held[0], dtype="<f4"), values(0))  # the job's, to adopt
     assert state.seed(0, 1, 5, values(7), None, "job").matched  # a resumed checkpoint's round 5 is the job's now
     assert state.seed(0, 1, 5, values(7), None, "job").matched
-    assert not state.seed(0, 1, 4, values(7), None, "job").matched  # an older round never replaces it
+    older = state.seed(0, 1, 4, values(7), None, "job")  # an older round never replaces it: the job is at 5
+    assert (older.matched, older.step, older.held) == (False, 5, None)
 
 
 def test_bad_seeds_are_refused_naming_the_field() -> None:
@@ -75,7 +76,7 @@ def test_bad_seeds_are_refused_naming_the_field() -> None:
     state.seed(0, 2, 0, values(0), None, "job 'j'")
     with pytest.raises(FailedPreconditionError, match="keys=3 does not match job 'j', whose outer rounds hold 2"):
         state.seed(1, 3, 0, values(0), None, "job 'j'")
-    with pytest.raises(FailedPreconditionError, match="key 0 holds 10 elements here, 1000 in job 'j'"):
+    with pytest.raises(FailedPreconditionError, match="a seed of key 0 holds 10 elements; expected 1000, the size of"):
         state.seed(0, 2, 0, values(0, 10), None, "job 'j'")
 
 
@@ -204,7 +205,7 @@ def test_a_seed_past_the_memory_budget_is_refused_and_holds_nothing() -> None:
             first.seed_outer(0, 0, 1, np.zeros(1 << 18, np.float32), None)  # 2 MiB with its momentum
         assert server.table.budget.in_use == held
         assert first.seed_outer(0, 0, 1, np.zeros(1 << 14, np.float32), None)[0]  # 128 KiB fits
-        assert server.table.budget.in_use == held + 2 * (1 << 16)
+        assert server.table.budget.in_use == held + 2 * (1 << 16) + KEY_ENTRY_BYTES
         for client in clients:
             client.close()
         assert server.table.budget.in_use == 0  # the job ended: its global state is given back
