@@ -28,15 +28,10 @@ from gradq.client.elastic import JobWorld
 from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS
 from gradq.client.security import ChannelSecurity
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import (
-    check_shareable,
-    dropped_from_job,
-    model_signature,
-    receive_training_state,
-    serve_joiners,
-)
+from gradq.client.session.elastic import check_shareable, model_signature
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
+from gradq.client.session.member import dropped_from_job
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
@@ -288,7 +283,7 @@ class GradqHookState:
             for optimizer in (item for item in self._shared if isinstance(item, torch.optim.Optimizer)):
                 optimizer.register_step_post_hook(self._after_optimizer_step)
         session = self._connected()
-        self.step = receive_training_state(session, self._shared, self.step)
+        self.step = session.member.receive(self._shared, self.step)
         return self.step
 
     def steps(self, total: int) -> Iterator[int]:
@@ -353,7 +348,7 @@ class GradqHookState:
         self._session.close()
         self._session = None
         session = self._connected()
-        self.step = receive_training_state(session, self._shared, self.step)
+        self.step = session.member.receive(self._shared, self.step)
         self.rejoins += 1
         log.warning(
             "rejoined %s as member %s at step %d", session.job_id, self.client.rank if self.client else "?", self.step
@@ -425,7 +420,7 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
         return _fallback_allreduce(session, bucket) if sparse else _FALLBACK_HOOKS[session.mode](session, bucket)
     step, last = state.step, bucket.is_last()
     if state.elastic_hosts:
-        serve_joiners(session, state._shared, step)  # at a step boundary, before this step's first push
+        session.member.serve_joiners(state._shared, step)  # at a step boundary, before this step's first push
     if sparse:
         # A sparse gradient (nn.Embedding(sparse=True)) has no dense grid to quantize: its
         # bucket is averaged by the process group, uncompressed, as DDP's default hook does.

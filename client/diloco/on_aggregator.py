@@ -146,8 +146,7 @@ class GlobalState:
         Raises:
             AggregationError: the aggregator refused (the message says why).
         """
-        client, host = session.client, session.host
-        assert client is not None
+        member, host = session.member, session.host
         rounds = self.round_keys(session)
         if host.sharded or host.local_rank == 0:
             adopted = 0
@@ -155,7 +154,7 @@ class GlobalState:
                 if owner != host.local_rank:
                     continue
                 parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
-                matched, held_step, theirs, their_momentum = client.seed_outer(
+                matched, held_step, theirs, their_momentum = member.seed_outer(
                     # No momentum yet (before the first outer round) travels as none: half the bytes.
                     step,
                     round_key,
@@ -182,7 +181,7 @@ class GlobalState:
                     "took the job's global state of %d round keys from the aggregator (this host's differed)", adopted
                 )
         self._share_within_host(session)
-        self.seeded_joins = client.joins
+        self.seeded_joins = member.joins
 
     def matches(self, session: GradqSession, step: int) -> bool:
         """Whether the aggregator's copy before outer round ``step`` is this host's, bit for bit (adopts nothing).
@@ -192,15 +191,13 @@ class GlobalState:
         Raises:
             AggregationError: the aggregator refused (the message says why).
         """
-        client = session.client
-        assert client is not None
         rounds = self.round_keys(session)
         mismatched = 0
         for round_key, key, begin, end, owner in rounds:
             if owner != session.host.local_rank:
                 continue
             parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
-            matched, held_step, _, _ = client.seed_outer(
+            matched, held_step, _, _ = session.member.seed_outer(
                 step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
             )
             mismatched += not matched or held_step != step
@@ -218,28 +215,13 @@ class GlobalState:
         Raises:
             AggregationError: refused, the transfer broke, or the state does not fit this model.
         """
-        client, host = session.client, session.host
-        assert client is not None
+        host = session.host
         rounds = self.round_keys(session)
-        received: list[Any] = [None]
-        if host.local_rank == 0:
-            try:
-                state = client.fetch_state()
-                received[0] = (state.step, state.data)
-            except AggregationError as error:
-                received[0] = (-1, f"{error.address}: {error.details}")
-                if host.local_size == 1:
-                    raise
-        if host.local_size > 1:
-            dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
-            client.catch_up = False
-        step, data = received[0]
-        if step < 0:
-            raise AggregationError(client.addresses[0], None, f"the host's first rank got no global state: {data}")
+        step, data, _ = session.member.fetch()
         expected = 8 * sum(end - begin for _, _, begin, end, _ in rounds)
         if len(data) != expected:
             raise AggregationError(
-                client.addresses[0],
+                session.member.address(),
                 None,
                 f"the aggregator sent {len(data)} bytes of global state; this model's is {expected} "
                 f"(parameters and momentum, float32)",
@@ -252,8 +234,8 @@ class GlobalState:
                     target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
                 offset += end - begin
         self.load_into_model()
-        self.seeded_joins = client.joins
-        return int(step)
+        self.seeded_joins = session.member.joins
+        return step
 
     def _share_within_host(self, session: GradqSession) -> None:
         if session.host.local_size > 1 and not session.host.sharded:  # a host of shards holds no common copy

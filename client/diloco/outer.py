@@ -63,15 +63,10 @@ from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
-from gradq.client.session.elastic import (
-    check_shareable,
-    dropped_from_job,
-    model_signature,
-    receive_training_state,
-    serve_joiners,
-)
+from gradq.client.session.elastic import check_shareable, model_signature
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
+from gradq.client.session.member import dropped_from_job
 from gradq.client.stats import ClientStats
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]
@@ -284,10 +279,9 @@ class DiLoCo:
                 f"has {session.host.local_size} ranks"
             )
         if state is None:
-            self.outer_round = receive_training_state(session, self._shared(), self.outer_round)
+            self.outer_round = session.member.receive(self._shared(), self.outer_round)
             return
-        assert session.client is not None
-        if session.client.catch_up:
+        if session.member.joining:
             self.outer_round = state.receive(session)
             self.inner_steps = self.outer_round * self.sync_every
         else:
@@ -354,7 +348,7 @@ class DiLoCo:
             start.copy_(param)
         self.outer_round = step + 1
         # The boundary a joiner enters at: the model holds the new global parameters.
-        serve_joiners(session, self._shared(), self.outer_round)
+        session.member.serve_joiners(self._shared(), self.outer_round)
 
     def _round_on_aggregator(self, state: GlobalState) -> None:
         session = self._connected()
@@ -379,8 +373,7 @@ class DiLoCo:
             state.apply(key, mean)
         state.load_into_model()
         self.outer_round = step + 1
-        assert session.client is not None
-        if session.client.joins != state.seeded_joins:
+        if session.member.joins != state.seeded_joins:
             # The worker client joined again: a restarted aggregator, which holds no global state. Seed it.
             log.warning("the aggregator of %s was restarted; seeding it with this host's global state", session.job_id)
             state.seed(session, self.outer_round)

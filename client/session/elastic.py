@@ -23,7 +23,8 @@ same number of ranks. The job trains once N hosts have joined. Then:
   after its first step its parameters equal everyone's bit for bit.
 
 ``session.world()`` (the DDP hook state's ``world()``) says who trains now and for how many ranks (e.g. to scale the
-learning rate or the batch).
+learning rate or the batch). This module holds what a host shares (its model's signature, the state's bytes);
+taking and giving the state, and knowing a drop, are the session's member's (gradq.client.session.member).
 """
 
 from __future__ import annotations
@@ -34,19 +35,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-
-from gradq.client.sending import AggregationError
 
 if TYPE_CHECKING:
-    from gradq.client.session.session import GradqSession
+    pass
 
 __all__ = [
     "check_shareable",
-    "dropped_from_job",
     "model_signature",
-    "receive_training_state",
-    "serve_joiners",
     "training_state",
 ]
 
@@ -54,11 +49,6 @@ __all__ = [
 MAX_SIGNATURE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
-
-# The refusals that say the aggregator no longer counts this host a member training: it is not one (dropped
-# while silent), it waits for the state, or the job's run there is another (a restarted shard resumed by the
-# hosts that hold the job). Each is answered the same way: a Join as a joiner, which takes the state.
-_DROPPED_REFUSALS = frozenset({"NOT_JOINED", "PENDING", "ANOTHER_RUN"})
 
 
 def check_shareable(objects: Sequence[Any]) -> list[Any]:
@@ -102,84 +92,3 @@ def training_state(shared: Sequence[Any], step: int) -> bytes:
     buffer = io.BytesIO()
     torch.save({"step": step, "objects": [item.state_dict() for item in shared]}, buffer)
     return buffer.getvalue()
-
-
-def receive_training_state(session: GradqSession, shared: Sequence[Any], step: int) -> int:
-    """A pending member receives and loads the training state; returns the step to train from.
-
-    A member that joined a job not yet training (or a fixed job) returns ``step`` as it is.
-    Collective over the session's group for a host of several ranks.
-    """
-    client, host = session.client, session.host
-    if client is None or not client.catch_up:
-        return step
-    # The host's first rank receives the state; its other ranks get it from that rank.
-    received: list[Any] = [None]
-    if host.local_rank == 0:
-        try:
-            received[0] = client.fetch_state()
-        except AggregationError as error:  # the host's other ranks must not wait for it forever
-            received[0] = (error.address, error.details)
-            if host.local_size == 1:
-                raise
-    if host.local_size > 1:
-        dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
-        client.catch_up = False
-    state_bytes = received[0]
-    if isinstance(state_bytes, tuple):
-        address, details = state_bytes
-        raise AggregationError(address, None, f"the host's first rank could not receive the state: {details}")
-    # weights_only: the bytes come from another host through the aggregator, so no pickled code runs.
-    payload = torch.load(io.BytesIO(state_bytes.data), map_location="cpu", weights_only=True)
-    objects = payload["objects"]
-    if len(objects) != len(shared):
-        raise ValueError(
-            f"member {state_bytes.sender} shared {len(objects)} objects, this host {len(shared)}; "
-            f"every host must share the same objects in the same order"
-        )
-    for item, saved in zip(shared, objects, strict=True):
-        item.load_state_dict(saved)
-    log.info(
-        "joined %s as member %d at step %d: %d bytes of state from member %d",
-        session.job_id,
-        client.rank,
-        state_bytes.step,
-        len(state_bytes.data),
-        state_bytes.sender,
-    )
-    return int(state_bytes.step)
-
-
-def serve_joiners(session: GradqSession, shared: Sequence[Any], step: int) -> None:
-    """At the first call of ``step``: if the aggregator asks this member, send the waiting joiners the state.
-
-    A failed transfer is logged, not raised: the joiner's loss is handled by the
-    aggregator like any other, and this host trains on.
-    """
-    if step == session.served_step:
-        return
-    session.served_step = step
-    client, host = session.client, session.host
-    world = client.world if client is not None else None
-    if client is None or world is None or not world.joiners or world.donor != client.rank:
-        return
-    if host.local_rank != 0:
-        return  # the host's first rank sends, before its first collective of the step: the others wait in it
-    data = training_state(shared, step)
-    for joiner in world.joiners:
-        try:
-            relayed = client.send_state(joiner, step, data)
-        except AggregationError as error:
-            log.warning("could not send member %d the training state: %s", joiner, error)
-            continue
-        log.info("sent member %d the training state before step %d (%d bytes)", joiner, step, relayed)
-
-
-def dropped_from_job(error: BaseException) -> bool:
-    """A refusal saying the aggregator no longer counts this host a member (dropped while it was silent).
-
-    Its way back is a Join as a joiner, which takes the state (never its own model, which is stale).
-    """
-    if not isinstance(error, AggregationError):
-        return False
-    return error.refusal in _DROPPED_REFUSALS

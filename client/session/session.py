@@ -37,6 +37,7 @@ from gradq.client.session.failures import BackwardFailures
 from gradq.client.session.heap import release_free_heap
 from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
 from gradq.client.session.lifecycle import Membership, draw_run_names
+from gradq.client.session.member import ElasticMember
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
@@ -69,10 +70,10 @@ class GradqSession:
         "host",  # this rank's place among the job's hosts
         "incarnation",  # this run of the job (the live run's, for an elastic joiner)
         "job_id",  # the job every rank joined
+        "member",  # this host's membership of the job: joins, drops, the state to take and to give
         "mode",  # "gradq", or the fallback the ranks agreed on
         "plans",  # each tensor's pieces under the adaptive bit policy
         "residuals",  # keeps error feedback on its parameters across layouts and checkpoints
-        "served_step",  # elastic: the step whose boundary this member last served joiners at
     )
 
     def __init__(
@@ -90,7 +91,7 @@ class GradqSession:
         self.failures = BackwardFailures()
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
-        self.served_step = -1
+        self.member = ElasticMember(self)
         self._closed = False
         self._step_futures: list[torch.futures.Future[torch.Tensor]] = []
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None

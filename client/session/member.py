@@ -1,0 +1,199 @@
+"""ElasticMember: this host's membership of an elastic job, the one place the adapters ask about it.
+
+The session owns it. It says whether the host joined as a newcomer (and must
+take the state first), takes the state (from a donor host, or the
+aggregator's copy of a DiLoCo job's global state), serves joiners at a step
+boundary, checks and seeds the aggregator's copy, and tells a refusal that
+means "dropped from the job" from any other. The DDP hook, FSDP2 and DiLoCo
+call these and never reach past the session to its worker client; a drop is
+answered by connecting the session again (a new Join, as a newcomer).
+
+Collective methods run over the session's group: a host of several ranks
+joins, fetches and sends through its first rank, and the others take what it got.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradq.client.elastic import JobWorld
+from gradq.client.sending import AggregationError
+from gradq.client.session.elastic import training_state
+
+if TYPE_CHECKING:
+    from gradq.client.session.session import GradqSession
+
+__all__ = ["ElasticMember", "dropped_from_job"]
+
+log = logging.getLogger(__name__)
+
+# The refusals that say the aggregator no longer counts this host a member training: it is not one (dropped
+# while silent), it waits for the state, or the job's run there is another (a restarted shard resumed by the
+# hosts that hold the job). Each is answered the same way: a Join as a newcomer, which takes the state.
+_DROPPED_REFUSALS = frozenset({"NOT_JOINED", "PENDING", "ANOTHER_RUN"})
+
+
+def dropped_from_job(error: BaseException) -> bool:
+    """A refusal saying the aggregator no longer counts this host a member (dropped while it was silent).
+
+    Its way back is a Join as a newcomer, which takes the state (never its own model, which is stale).
+    Decided on the refusal's reason, never its message.
+    """
+    return isinstance(error, AggregationError) and error.refusal in _DROPPED_REFUSALS
+
+
+class ElasticMember:
+    """This host's place in its job, as the session's adapters see it (see the module docstring).
+
+    Args:
+        session: the connected session whose worker client joined the job (None under a fallback).
+    """
+
+    __slots__ = ("_session", "served_step")
+
+    def __init__(self, session: GradqSession) -> None:
+        self._session = session
+        self.served_step = -1  # the step whose boundary this member last served joiners at
+
+    @property
+    def rank(self) -> int | None:
+        """The member id the aggregator gave this host (None under a fallback)."""
+        client = self._session.client
+        return client.rank if client is not None else None
+
+    @property
+    def joining(self) -> bool:
+        """Joined a job in training: it must take the state before its first push."""
+        client = self._session.client
+        return client is not None and client.catch_up
+
+    @property
+    def joins(self) -> int:
+        """Successful Joins so far, rejoins of a restarted aggregator included (a DiLoCo host re-seeds then)."""
+        client = self._session.client
+        return client.joins if client is not None else 0
+
+    def world(self) -> JobWorld | None:
+        """The job's members training and the ranks they stand for, as last announced (None before the first)."""
+        client = self._session.client
+        return client.world if client is not None else None
+
+    # -- taking the state ---------------------------------------------------------------------------
+
+    def fetch(self) -> tuple[int, bytes, int]:
+        """A newcomer waits for the state and receives it: (the step it trains from, the bytes, the sender).
+
+        Collective over the host's ranks: its first rank fetches, the others receive what it got. Whoever
+        sends (a donor host, or the aggregator's copy of a DiLoCo job) is the aggregator's choice.
+
+        Raises:
+            AggregationError: refused, the sender went away, or the deadline passed (on every rank).
+        """
+        session = self._session
+        client, host = session.client, session.host
+        assert client is not None, "a fallback session has no membership"
+        received: list[Any] = [None]
+        if host.local_rank == 0:
+            try:
+                state = client.fetch_state()
+                received[0] = (state.step, state.data, state.sender)
+            except AggregationError as error:  # the host's other ranks must not wait for it forever
+                received[0] = (error.address, error.details)
+                if host.local_size == 1:
+                    raise
+        if host.local_size > 1:
+            dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
+            client.catch_up = False
+        if len(received[0]) == 2:
+            address, details = received[0]
+            raise AggregationError(address, None, f"the host's first rank could not receive the state: {details}")
+        step, data, sender = received[0]
+        return int(step), data, int(sender)
+
+    def receive(self, shared: Sequence[Any], step: int) -> int:
+        """A newcomer receives a live host's state and loads it into ``shared``; returns the step to train from.
+
+        A member that joined a job not yet training (or a fixed job) returns ``step`` as it is.
+        Collective over the host's ranks.
+
+        Raises:
+            AggregationError: the transfer failed.
+            ValueError: the sender shared other objects than this host.
+        """
+        if not self.joining:
+            return step
+        step, data, sender = self.fetch()
+        # weights_only: the bytes come from another host through the aggregator, so no pickled code runs.
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        objects = payload["objects"]
+        if len(objects) != len(shared):
+            raise ValueError(
+                f"member {sender} shared {len(objects)} objects, this host {len(shared)}; "
+                f"every host must share the same objects in the same order"
+            )
+        for item, saved in zip(shared, objects, strict=True):
+            item.load_state_dict(saved)
+        log.info(
+            "joined %s as member %s at step %d: %d bytes of state from member %d",
+            self._session.job_id,
+            self.rank,
+            step,
+            len(data),
+            sender,
+        )
+        return step
+
+    # -- giving the state -----------------------------------------------------------------------------
+
+    def serve_joiners(self, shared: Sequence[Any], step: int) -> None:
+        """At the first call of ``step``: if the aggregator asks this member, send the waiting joiners the state.
+
+        A failed transfer is logged, not raised: the joiner's loss is handled by the
+        aggregator like any other, and this host trains on.
+        """
+        if step == self.served_step:
+            return
+        self.served_step = step
+        client, host = self._session.client, self._session.host
+        world = client.world if client is not None else None
+        if client is None or world is None or not world.joiners or world.donor != client.rank:
+            return
+        if host.local_rank != 0:
+            return  # the host's first rank sends, before its first collective of the step: the others wait in it
+        data = training_state(shared, step)
+        for joiner in world.joiners:
+            try:
+                relayed = client.send_state(joiner, step, data)
+            except AggregationError as error:
+                log.warning("could not send member %d the training state: %s", joiner, error)
+                continue
+            log.info("sent member %d the training state before step %d (%d bytes)", joiner, step, relayed)
+
+    # -- the aggregator's copy (DiLoCo) ------------------------------------------------------------------
+
+    def seed_outer(
+        self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
+    ) -> tuple[bool, int, bytes, bytes]:
+        """Seed, or check, the aggregator's global state of round key ``key`` before outer round ``step``.
+
+        See ``WorkerClient.seed_outer``: (matched, the copy's outer round, its parameters and momentum when
+        they differ).
+
+        Raises:
+            AggregationError: refused (names why) or unreachable.
+        """
+        client = self._session.client
+        assert client is not None, "a fallback session has no membership"
+        return client.seed_outer(step, key, keys, parameters, momentum)
+
+    def address(self) -> str:
+        """The first shard's address, for messages."""
+        client = self._session.client
+        return client.addresses[0] if client is not None else ",".join(self._session.config.addresses)
