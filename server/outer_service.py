@@ -66,7 +66,7 @@ def seed(table: RoundTable, request: Seed) -> Seeded:
     if seeded.moved:
         # The job's outer round is this seed's now (a host at a later round holds more training): rounds in
         # flight of earlier ones are behind, and their hosts take this state at the next boundary.
-        table.leave_behind(job, request.step, {}, f"member {request.rank} seeded outer round {request.step}")
+        table.late_hosts.leave_behind(job, request.step, {}, f"member {request.rank} seeded outer round {request.step}")
     if seeded.whole:  # joiners waiting (a host behind, or after a restart) need not wait for a round to close
         table.outer_boundary(job, request.step)
     if seeded.new_bytes:

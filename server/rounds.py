@@ -31,12 +31,12 @@ from gradq.server.errors import (
 )
 from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
+from gradq.server.late_hosts import LateHosts
 from gradq.server.limits import ServiceLimits
 from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, RoundResult, Waker
-from gradq.server.semi_sync import LateStash
 from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
@@ -99,6 +99,7 @@ class RoundTable:
             policy, self.jobs, self.budget, self.accumulators, package, observer, self._outer_boundary
         )
         self.counters = self._closer.counters
+        self.late_hosts = LateHosts(self)  # the semi-synchronous rules: grace, late pushes, hosts behind
         self._job_finished = job_finished
         # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
         self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
@@ -192,6 +193,11 @@ class RoundTable:
             with self.jobs.lock:
                 if job.rounds.get((rnd.step, rnd.bucket)) is rnd:
                     del job.rounds[(rnd.step, rnd.bucket)]
+
+    @property
+    def closer(self) -> RoundCloser:
+        """Finishes and fails this table's rounds (for the rules beside it: gradq.server.late_hosts)."""
+        return self._closer
 
     def now(self) -> float:
         """The table's clock (monotonic seconds; injected in tests)."""
@@ -289,7 +295,8 @@ class RoundTable:
 
         Raises:
             What ``_admit`` raises; FailedPreconditionError (Refusal.BEHIND) for a DiLoCo push that would
-            open a round older than the job's outer round: its member is pending from then on (``leave_behind``).
+            open a round older than the job's outer round: its member is pending from then on
+            (``LateHosts.leave_behind``).
         """
         try:
             ticket = self._admit(job_id, step, bucket, rank, tensor, incarnation)
@@ -298,10 +305,10 @@ class RoundTable:
                 with self.jobs.lock:  # (a member that left meanwhile is refused as such instead)
                     job = self.jobs.member(job_id, rank, incarnation, self._clock(), late_step=step)
                 newest = job.outer.newest if job.outer is not None else step
-                self.leave_behind(job, newest, {rank: step}, f"member {rank} pushed outer round {step}")
+                self.late_hosts.leave_behind(job, newest, {rank: step}, f"member {rank} pushed outer round {step}")
             raise
         if ticket.job.outer is not None:  # a push of a newer outer round leaves the older rounds in flight behind
-            self.leave_behind(ticket.job, step, {}, f"member {rank} pushed outer round {step}")
+            self.late_hosts.leave_behind(ticket.job, step, {}, f"member {rank} pushed outer round {step}")
         return ticket
 
     def _admit(
@@ -367,7 +374,7 @@ class RoundTable:
         """
         job, rnd, rank = ticket.job, ticket.round, ticket.rank
         digest = contribution_digest(tensor, non_finite)
-        if job.semi_sync is not None and self._merge_late(job, rnd, rank, tensor, non_finite):
+        if job.semi_sync is not None and self.late_hosts.merge(job, rnd, rank, tensor, non_finite):
             return
         with rnd.lock:
             self._add_locked(job, rnd, rank, tensor, non_finite, digest)
@@ -426,86 +433,7 @@ class RoundTable:
             if self._completes(job, rnd.contributors):
                 self._closer.finish(job, rnd)
             elif job.semi_sync is not None:
-                self._start_grace(job, rnd)
-
-    def _start_grace(self, job: Job, rnd: Round) -> None:
-        """Semi-synchronous: once a quorum has pushed, the round waits ``grace_s`` more. Holds ``rnd.lock``."""
-        semi_sync = job.semi_sync
-        assert semi_sync is not None
-        if not rnd.graced and len(rnd.contributors) >= semi_sync.quorum:
-            rnd.graced = True
-            rnd.deadline = min(rnd.deadline, self._clock() + semi_sync.grace_s)  # the sweeper closes it then
-
-    def _merge_late(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool) -> bool:
-        """Semi-synchronous: a push to a round closed without ``rank`` goes to the key's late stash.
-
-        The member becomes pending (the rounds after do not wait for it) until
-        the next outer-round boundary. Returns whether the push was late.
-        """
-        with rnd.lock:
-            result = rnd.result
-            if not rnd.done.is_set() or result is None or rank in result.contributors:
-                return False
-            rnd.late.add(rank)  # answered: merged, fetch the state
-        if non_finite:
-            return True  # nothing to merge; the host still takes the state
-        with self.jobs.lock:
-            ranks = job.members.ranks.get(rank, 1)
-            stash = job.late.get(rnd.bucket)
-            if stash is None:
-                self.budget.charge(
-                    4 * tensor.numel, f"the late pushes of key {rnd.bucket} of {job.describe()}", job.memory
-                )
-                job.late[rnd.bucket] = LateStash.first(tensor, ranks, rank)
-            else:
-                stash.add(tensor, ranks, rank)
-            newly_late = job.members.make_late(rank, rnd.step)
-        if newly_late:
-            log.warning(
-                "member %d of %s was late for %s: its push is merged into the next round; pending until the "
-                "next outer-round boundary",
-                rank,
-                job.describe(),
-                rnd.describe(job.job_id),
-            )
-            self.membership_changed(job, "late")
-            self.finish_rounds_complete(job, f"member {rank} was late")
-        return True
-
-    def leave_behind(self, job: Job, step: int, behind: dict[int, int], reason: str) -> None:
-        """DiLoCo: ``job``'s outer round is ``step`` (gradq.server.outer_state); whoever is behind it catches up.
-
-        The job's rounds in flight of earlier outer rounds fail now (Refusal.BEHIND), not at their deadline;
-        their contributors and ``behind`` (member -> the outer round it pushed) become pending, as a late
-        host does: the rounds stop waiting for them, and they take the job's state at the next boundary.
-        """
-        with self.jobs.lock:
-            older = [rnd for rnd in job.open if rnd.step < step]
-        if not older and not behind:
-            return
-        for rnd in older:
-            with rnd.lock:
-                if rnd.done.is_set():
-                    continue
-                behind.update(dict.fromkeys(rnd.contributors, rnd.step))
-                error = FailedPreconditionError(
-                    f"{rnd.describe(job.job_id)} failed: {reason}, so {job.describe()} is at outer round {step}, past "
-                    f"this round's outer round {rnd.step}; its hosts take the job's state at the next boundary",
-                    Refusal.BEHIND,
-                )
-                self._closer.fail(job, rnd, error, "behind")
-        with self.jobs.lock:
-            moved = sorted(member for member, at in behind.items() if job.members.make_late(member, at))
-        if moved:
-            log.warning(
-                "members %s of %s are behind its outer round %d (%s): pending until the next outer-round boundary",
-                moved,
-                job.describe(),
-                step,
-                reason,
-            )
-            self.membership_changed(job, "late")
-            self.finish_rounds_complete(job, f"members {moved} are behind outer round {step}")
+                self.late_hosts.start_grace(job, rnd)
 
     def _completes(self, job: Job, contributors: set[int]) -> bool:
         """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
