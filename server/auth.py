@@ -154,10 +154,17 @@ def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
     return ""
 
 
-async def _deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+async def _deny(_requests: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(
         grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token; expected metadata 'authorization: Bearer <token>'"
     )
+
+
+# The refusal of a call without a valid token, whatever its method. gRPC reads a unary request before it
+# runs the handler, so a unary deny left a caller that sends nothing (any stream, or a unary method called
+# as one) holding a call slot until its deadline; a handler that takes a request stream runs as soon as the
+# call's headers arrive and reads nothing. gRPC's wire has no cardinality: every client sees the status.
+_DENY_HANDLER = grpc.stream_stream_rpc_method_handler(_deny)
 
 
 def _bound(behaviour: Callable[..., Awaitable[Any]], scope: TokenScope) -> Callable[..., Awaitable[Any]]:
@@ -224,6 +231,6 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         scope = self.table.lookup(_bearer(handler_call_details.invocation_metadata))  # type: ignore[attr-defined]
         if scope is None:
-            return grpc.unary_unary_rpc_method_handler(_deny)
+            return _DENY_HANDLER
         handler = await continuation(handler_call_details)
         return None if handler is None else bind_scope(handler, scope)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -112,3 +114,51 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class UnreadStream:
+    """An attacker's PushPullStream: up to ``count`` pushes, to ``job_ids`` in turn, and never an answer read.
+
+    ``sent`` counts the pushes gRPC has taken from it; it stops growing once the
+    aggregator stops reading the stream (and gRPC's flow control holds the sender).
+    """
+
+    def __init__(self, address: str, job_ids: list[str], count: int) -> None:
+        self.sent = 0
+        self._job_ids = job_ids
+        self._count = count
+        # Its own connection, as a separate attacker's, that takes as few answers as gRPC lets it (a small
+        # window, not grown by bandwidth probes): what it leaves, the aggregator holds or stops reading for.
+        window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        self._channel = grpc.insecure_channel(address, options=window)
+        method = self._channel.stream_stream("/gradq.v1.Aggregator/PushPullStream")
+        self.call = method(self._pushes(), timeout=600)
+
+    def _pushes(self) -> Iterator[bytes]:
+        tensor = tensor_to_proto(encode(gradient(0, 0), EXACT))
+        for sequence in range(1, self._count + 1):
+            job = self._job_ids[sequence % len(self._job_ids)]
+            push = pb.PushPullRequest(job_id=job, step=0, bucket=sequence, rank=0, sequence=sequence, tensor=tensor)
+            yield push.SerializeToString()
+            self.sent = sequence  # gRPC asks for the next push once this one is written
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._channel.close()
+
+
+def wait_until_unread(streams: list[UnreadStream], quiet_s: float = 1.0, timeout_s: float = 120.0) -> int:
+    """Wait until the aggregator reads no more of ``streams`` (none sent a push for ``quiet_s``); the pushes sent.
+
+    Raises:
+        AssertionError: they were still sending after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    sent, since = -1, time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"the streams were still read after {timeout_s:g} s ({sent} pushes)"
+        now = sum(stream.sent for stream in streams)
+        if now != sent:
+            sent, since = now, time.monotonic()
+        time.sleep(0.05)
+    return sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from certificates import Pem, issue, make_ca
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradq.client import AggregationError, ChannelSecurity, WorkerClient
+from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions, TlsFiles
 from gradq.server.auth import TokenScope, TokenTable, bind_scope, check_scope
@@ -126,6 +128,33 @@ def test_tokens_gate_every_call_but_health(serve: Serve) -> None:
         with pytest.raises(AggregationError, match=r"UNAUTHENTICATED: missing or invalid token") as raised:
             WorkerClient(address, "job", 0, 2, timeout_s=5, security=ChannelSecurity(token=token)).join()
         assert "rank-zero-token" not in str(raised.value)  # never echo secrets
+
+
+def test_a_call_without_a_valid_token_is_refused_at_once_though_it_sends_nothing(serve: Serve) -> None:
+    # Every method, whatever its kind, opened as a stream that sends no message and never half-closes:
+    # a refusal that waited for a request would hold the call (and one of gRPC's call slots) until its deadline.
+    address = serve(tokens=TokenTable(TOKENS))
+    service = pb.DESCRIPTOR.services_by_name["Aggregator"]
+    assert {"PushPullStream", "PutState", "Watch"} <= {method.name for method in service.methods}
+    silent = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        silent.wait()  # until the test ends
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            for method in service.methods:
+                for metadata in (None, [("authorization", "Bearer not-a-valid-token-at-all")]):
+                    started = time.monotonic()
+                    call = channel.stream_stream(f"/{service.full_name}/{method.name}")
+                    with pytest.raises(grpc.RpcError) as raised:
+                        next(call(nothing(), timeout=10, metadata=metadata))
+                    elapsed = time.monotonic() - started
+                    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method.name, metadata)
+                    assert elapsed < 1.0, f"{method.name} was refused after {elapsed:.2f} s"
+    finally:
+        silent.set()
 
 
 def test_wrong_or_borrowed_credentials_contribute_nothing(serve: Serve) -> None:
