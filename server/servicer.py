@@ -258,23 +258,15 @@ class AggregatorServicer:
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         peer = peer_host(context.peer())
+        slot: list[tuple[str, str]] = []  # the push's waiting slot, once it is in its round
         try:
-            contribution = await _parsed(serde.contribution_from_bytes, raw.take())
-            job_id = contribution.job_id
-            check_scope(job_id, contribution.rank)
-            self.waiting.acquire(job_id, peer)
-        except RoundError as error:
-            await _abort(context, error)
-        try:
-            ticket = await self._add(contribution)
-            del contribution  # accumulated: nothing of the payload need outlive the push
-            result = await self._wait(ticket)
+            handed = [await _parsed(serde.contribution_from_bytes, raw.take())]
+            return await self._push(handed, peer, slot.append)
         except RoundError as error:
             await _abort(context, error)
         finally:
-            self.waiting.release(job_id, peer)
-        assert isinstance(result.packaged, bytes), "the table packages every result"
-        return result.packaged
+            for held in slot:  # a unary call's answer is written as the handler returns
+                self.waiting.release(*held)
 
     async def PushPullStream(  # noqa: N802
         self, requests: AsyncIterator[RawRequest], context: grpc.aio.ServicerContext
@@ -364,22 +356,18 @@ class AggregatorServicer:
         except RoundError as error:  # not a PushPullRequest: no sequence to answer with
             return _Streamed(b"", ending=error)
         del data
-        slot: tuple[str, str] | None = None
-        accumulated = False
+        slot: list[tuple[str, str]] = []  # the push's waiting slot, once it is in its round
+
+        def accumulated(held: tuple[str, str]) -> None:
+            slot.append(held)
+            in_round()
+
         try:
             if isinstance(parsed, RoundError):
                 raise parsed
-            job_id = parsed.job_id
-            check_scope(job_id, parsed.rank)
-            self.waiting.acquire(job_id, peer)
-            slot = (job_id, peer)
-            ticket = await self._add(parsed)
-            del parsed  # accumulated: nothing of the payload need outlive the push
-            accumulated = True
-            in_round()
-            result = await self._wait(ticket)
-            assert isinstance(result.packaged, bytes), "the table packages every result"
-            answer = serde.streamed_answer(result.packaged, sequence)
+            handed = [parsed]
+            del parsed
+            answer = serde.streamed_answer(await self._push(handed, peer, accumulated), sequence)
         except RoundError as error:
             answer = serde.streamed_refusal(sequence, _status_code(error.code), str(error), error.refusal.value)
         except Exception as error:  # a bug: answer as gRPC answers a unary handler's, and keep the stream
@@ -387,13 +375,41 @@ class AggregatorServicer:
             details = f"{type(error).__name__}: {error}"
             answer = serde.streamed_refusal(sequence, _status_code("UNKNOWN"), details)
         except BaseException:  # cancelled: the stream ended first
-            if slot is not None:
-                self.waiting.release(*slot)
+            for held in slot:
+                self.waiting.release(*held)
             raise
-        if slot is not None and not accumulated:
-            self.waiting.release(*slot)
-            slot = None
-        return _Streamed(answer, slot=slot)
+        return _Streamed(answer, slot=slot[0] if slot else None)
+
+    async def _push(
+        self, handed: list[serde.Contribution], peer: str, in_round: Callable[[tuple[str, str]], None]
+    ) -> bytes:
+        """One push from its scope check to its round's packaged mean: the one path of PushPull and a stream.
+
+        Args:
+            handed: the push, in a list this takes it out of, so that nothing holds its payload once it is
+                accumulated (the caller keeps no reference).
+            peer: the client host, whose waiting slot for the job the push takes.
+            in_round: called with that (job, peer) slot once the push is accumulated into its round: from
+                then on the caller gives the slot back (when the answer is written); a push refused before
+                gives it back here at once (its job id may be no job's, and is not kept).
+
+        Raises:
+            RoundError: the push was refused, or its round failed.
+        """
+        contribution = handed.pop()
+        job_id = contribution.job_id
+        check_scope(job_id, contribution.rank)
+        self.waiting.acquire(job_id, peer)
+        try:
+            ticket = await self._add(contribution)
+        except BaseException:
+            self.waiting.release(job_id, peer)
+            raise
+        del contribution  # accumulated: nothing of the payload need outlive the push
+        in_round((job_id, peer))
+        result = await self._wait(ticket)
+        assert isinstance(result.packaged, bytes), "the table packages every result"
+        return result.packaged
 
     async def _add(self, contribution: serde.Contribution) -> RoundTicket:
         """Admit the contribution to its round and accumulate it; raises RoundError."""
