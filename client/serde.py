@@ -24,6 +24,7 @@ __all__ = [
     "refusal_name",
     "refusal_of_metadata",
     "stream_answer_of",
+    "JobSpec",
     "join_request",
     "leave_request",
 ]
@@ -43,43 +44,50 @@ class PulledMean:
     skipped: bool = False  # a rank reported NaN/Inf: the values are zeros, skip the step
 
 
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a member says of its job in every Join, one value from the client's configuration to the wire.
+
+    The aggregator checks it once against the job's (gradq.server.job_spec.JobSpec, its mirror); a new Join
+    option is a field here, there and in the proto.
+    """
+
+    world_size: int  # members the job starts with (its ranks, or its hosts under two-level aggregation)
+    ranks: int = 1  # the job's ranks this member stands for
+    elastic: bool = False
+    job_ranks: int = 0  # the job's ranks in all (0: world_size, one per member, not checked)
+    max_members: int = 0  # elastic: the most members at once (0: no cap of the job's own)
+    model_signature: str = ""  # elastic: the host's model, one line per tensor ("": unchecked)
+    outer_step: OuterStep | None = None  # DiLoCo: the outer step the aggregator runs (None: it only averages)
+    semi_sync: tuple[int, float] | None = None  # (quorum, grace seconds) of a semi-synchronous round
+
+
 def join_request(
     job_id: str,
     rank: int,
-    world_size: int,
+    spec: JobSpec | int,
     incarnation: str = "",
-    ranks: int = 1,
-    elastic: bool = False,
-    job_ranks: int = 0,
-    max_members: int = 0,
-    model_signature: str = "",
-    outer_step: OuterStep | None = None,
-    semi_sync: tuple[int, float] | None = None,
     role: pb.MemberRole = pb.MEMBER_ROLE_STARTING,
 ) -> pb.JoinRequest:
-    """A Join for one member of one run (``incarnation``) of the job, standing for ``ranks`` of its ``job_ranks``.
+    """A Join for member ``rank`` of one run (``incarnation``) of the job ``spec`` describes.
 
-    ``job_ranks`` 0 says the job has ``world_size`` ranks, one per member;
-    ``max_members`` 0 puts no cap of its own on an elastic job's members;
-    ``model_signature`` "" leaves the host's model unchecked; ``outer_step`` has
-    the aggregator keep a DiLoCo job's global state (None: it only averages);
-    ``semi_sync`` (quorum, grace seconds) makes its rounds semi-synchronous;
-    ``role`` (a proto MemberRole) says what an elastic member holds.
+    ``spec`` may be a bare world size (one rank per member, nothing else said); ``role`` (a proto
+    MemberRole) says what an elastic member holds.
     """
-    outer = None
-    if outer_step is not None:
-        outer = pb.OuterStep(lr=outer_step.lr, momentum=outer_step.momentum, nesterov=outer_step.nesterov)
+    if isinstance(spec, int):
+        spec = JobSpec(spec)
+    outer, semi_sync = spec.outer_step, spec.semi_sync
     return pb.JoinRequest(
         job_id=job_id,
         rank=rank,
-        world_size=world_size,
+        world_size=spec.world_size,
         incarnation=incarnation,
-        ranks=ranks,
-        elastic=elastic,
-        job_ranks=job_ranks,
-        max_members=max_members,
-        model_signature=model_signature,
-        outer_step=outer,
+        ranks=spec.ranks,
+        elastic=spec.elastic,
+        job_ranks=spec.job_ranks,
+        max_members=spec.max_members,
+        model_signature=spec.model_signature,
+        outer_step=pb.OuterStep(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov) if outer else None,
         semi_sync=pb.SemiSync(quorum=semi_sync[0], grace_s=semi_sync[1]) if semi_sync is not None else None,
         role=role,
     )

@@ -177,11 +177,10 @@ class WorkerClient:
         self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
-        self.job_ranks = job_ranks
-        self.max_members = max_members
-        self.model_signature = model_signature
-        self.outer_step = outer_step
-        self.semi_sync = semi_sync
+        # What every Join says of the job (the aggregator checks it once against the job's).
+        self.spec = serde.JobSpec(
+            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync
+        )
         self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
         self.elastic = elastic
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
@@ -331,20 +330,8 @@ class WorkerClient:
         """Join ``shard``. An elastic member joins the first shard first, which gives it its id and its run;
         the other shards follow that id and that run (one run identity across shards), each answering with
         the run it holds."""
-        request = serde.join_request(
-            self.job_id,
-            self.rank,
-            self.world_size,
-            self.incarnations[0] if self.elastic else self.incarnations[shard],
-            self.ranks,
-            self.elastic,
-            self.job_ranks or 0,
-            self.max_members,
-            self.model_signature,
-            self.outer_step,
-            self.semi_sync,
-            self.member_role(),
-        )
+        incarnation = self.incarnations[0] if self.elastic else self.incarnations[shard]
+        request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, self.member_role())
         timeout = self.timeout_s if patience is None else patience
         try:
             response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
