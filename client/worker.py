@@ -24,7 +24,8 @@ from gradq.client.chunks import (
     shard_for,
 )
 from gradq.client.discovery import discover_shards
-from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState, fetch_state, send_state, world_of
+from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState
+from gradq.client.membership import ShardMembership
 from gradq.client.push_stream import PushStream
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError, PendingPush, ShardSender, UnaryPushes
@@ -48,10 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The first wait before an elastic member joins again after the shards disagreed on its run (doubled, at
-# most 2 s): about the time the job's hosts take to come back to a restarted shard.
-_ELASTIC_JOIN_BACKOFF_S = 0.2
-
 
 # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
@@ -59,7 +56,11 @@ _PUSH_PULL_STREAM_METHOD = f"{_PUSH_PULL_METHOD}Stream"
 
 
 class WorkerClient:
-    """One rank's connection to a job on one or more aggregator shards.
+    """One rank's connection to a job on one or more aggregator shards: its channels and its pushes.
+
+    Who the member is on each shard (join, watch, rejoin, leave, state
+    transfer) is ``membership``'s (gradq.client.membership); the client reads
+    its id, run and news through it.
 
     Args:
         addresses: ``host:port`` of each shard (a single string for one).
@@ -171,21 +172,9 @@ class WorkerClient:
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
-        # Each shard's run of the job: one for all in a fixed job; an elastic job's run on each shard is the
-        # one its first member started there (a Join into a live elastic run adopts it), so they may differ.
-        self.incarnations = [incarnation] * len(self.addresses)
-        self.rank = rank
         self.world_size = world_size
         self.ranks = ranks
-        # What every Join says of the job (the aggregator checks it once against the job's).
-        self.spec = serde.JobSpec(
-            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync
-        )
-        self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
         self.elastic = elastic
-        self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
-        self.received_state = False  # elastic: took the run's training state (FetchState): it holds the run's
-        self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
         self.timeout_s = timeout_s
@@ -194,13 +183,28 @@ class WorkerClient:
         self._error_feedback = error_feedback
         # One ArrayCodec per library pushed so far: numpy arrays, or torch tensors on any device.
         self._arrays: dict[str, ArrayCodec] = {}
-        # Per-rank stream so stochastic rounding is independent across ranks.
-        self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
+        self._seed_rng(rank)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
         self._channel_options = channel_options(max_message_bytes)
         self.security = security or ChannelSecurity()
         self._metadata = self.security.metadata()
         self._stats = StatsRecorder(log_every_s)
+        # Who this member is on each shard (joins, watches, rejoins, state transfer): what every Join says of
+        # the job is one value, checked by the aggregator against the job's.
+        spec = serde.JobSpec(
+            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync
+        )
+        self.membership = ShardMembership(
+            job_id,
+            rank,
+            spec,
+            incarnation,
+            timeout_s,
+            reconnect_timeout_s,
+            self._metadata,
+            trained=lambda: self._stats.snapshot().bytes_received > 0,
+            rank_changed=self._seed_rng,
+        )
         self._pushes_since_sample = 0
         self._sending = (timeout_s, max_retries, retry_backoff_s, max_in_flight)
         self.push_stream = push_stream
@@ -220,11 +224,7 @@ class WorkerClient:
             opened.get(address) or self.security.channel(address, self._channel_options) for address in addresses
         ]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
-        self._joined = [False] * len(self.addresses)
-        if hasattr(self, "incarnations"):  # the group learned from one shard: each new shard starts with its run
-            self.incarnations = [self.incarnations[0]] * len(self.addresses)
-        # One Watch stream per shard, held open while joined (see gradq.server.liveness).
-        self._watches: list[Any] = [None] * len(self.addresses)
+        self.membership.attach(self.addresses, self._stubs)
         timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
         unary = [UnaryPushes(c.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata) for c in self._channels]
         streams = [
@@ -239,8 +239,8 @@ class WorkerClient:
             retry_backoff_s,
             ShardWindow(len(self.addresses), max_in_flight),
             self._stats,
-            self._rejoin_shard,
-            self._counted_lost,
+            self.membership.rejoin_shard,
+            self.membership.counted_lost,
         )
 
     # -- membership ----------------------------------------------------------------------------
@@ -256,7 +256,7 @@ class WorkerClient:
             AggregationError: a shard refused the join or could not be reached,
                 or the one shard's group is malformed or does not contain it.
         """
-        if self._discover and not any(self._joined):
+        if self._discover and not any(self.membership.joined):
             group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
             self._discover = False
             if group != self.addresses:
@@ -266,258 +266,78 @@ class WorkerClient:
         # not before it: an elastic joiner's wait for the state begins at the Join, and a push
         # that needs a kernel still loading waits in numba's compile lock, not in a race.
         threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
-        if not self.elastic:
-            for shard in range(len(self._stubs)):
-                self._join_shard(shard)
-            return
-        self._join_elastic()
+        self.membership.join()
 
-    def _join_elastic(self) -> None:
-        """Join an elastic job on every shard, the first first; start over while a restarted first shard
-        runs a run of its own.
+    # -- membership, as gradq.client.membership keeps it ------------------------------------------
 
-        A first shard that restarted and was reached before the job's hosts came back gives this host an id
-        in a run of its own, which the other shards refuse (ANOTHER_RUN: that id trains in the job's run
-        there). The hosts that hold the job's state take the first shard back (their run replaces one that
-        never trained), so this host leaves, waits and joins again from the first shard, as a newcomer,
-        until ``timeout_s`` has passed.
-        """
-        asked_rank, own_incarnation = self.rank, self.incarnations[0]
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _ELASTIC_JOIN_BACKOFF_S
-        while True:
-            try:
-                for shard in range(len(self._stubs)):
-                    self._join_shard(shard)
-                return
-            except AggregationError as error:
-                if error.refusal != "ANOTHER_RUN" or self.received_state or time.monotonic() + backoff > deadline:
-                    raise
-                log.warning("joining again from the first shard in %.1f s: %s", backoff, error)
-            self._leave_shards()
-            self.rank, self.catch_up, self.incarnation = asked_rank, False, own_incarnation
-            time.sleep(backoff)
-            backoff = min(2 * backoff, 2.0)
+    @property
+    def rank(self) -> int:
+        """This member's id (an elastic member's is the one the first shard gave)."""
+        return self.membership.rank
 
-    def _rejoin_shard(self, shard: int) -> None:
-        self._join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self.membership.rank = rank
 
     @property
     def incarnation(self) -> str:
         """The run of the job joined (on the first shard; see ``incarnations``)."""
-        return self.incarnations[0]
+        return self.membership.incarnation
 
     @incarnation.setter
     def incarnation(self, incarnation: str) -> None:
-        self.incarnations = [incarnation] * len(self.addresses)
+        self.membership.incarnation = incarnation
 
-    def member_role(self) -> pb.MemberRole:
-        """What this member brings to a Join (a proto MemberRole): the server decides on it after a restart.
+    @property
+    def incarnations(self) -> list[str]:
+        """Each shard's run of the job: the first shard's is the member's run."""
+        return self.membership.incarnations
 
-        Pending on the first shard: JOINING. Trained in its run (a mean came back, or it received the
-        state): RESUMING, so a shard that lost the run takes it back as training and a run formed there
-        by hosts without state yields to it. Otherwise STARTING.
-        """
-        if not self.elastic:
-            return pb.MEMBER_ROLE_STARTING
-        if self.catch_up:
-            return pb.MEMBER_ROLE_JOINING
-        if self.received_state or self._stats.snapshot().bytes_received:
-            return pb.MEMBER_ROLE_RESUMING
-        return pb.MEMBER_ROLE_STARTING
+    @property
+    def catch_up(self) -> bool:
+        """Elastic: joined a job in training; it must receive the state before pushing."""
+        return self.membership.catch_up
 
-    def _join_shard(self, shard: int, patience: float | None = None) -> None:
-        """Join ``shard``. An elastic member joins the first shard first, which gives it its id and its run;
-        the other shards follow that id and that run (one run identity across shards), each answering with
-        the run it holds."""
-        incarnation = self.incarnations[0] if self.elastic else self.incarnations[shard]
-        request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, self.member_role())
-        timeout = self.timeout_s if patience is None else patience
-        try:
-            response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise AggregationError.of_call(self.addresses[shard], error) from None
-        if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
-            self.rank, self.catch_up = response.rank, response.catch_up
-            self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, self.rank])
-        elif self.elastic and response.rank != self.rank:
-            raise AggregationError(
-                self.addresses[shard],
-                None,
-                f"joined as member {response.rank}, not {self.rank} as on {self.addresses[0]}; every shard of an "
-                f"elastic job must hold the same members",
-            )
-        if self.elastic:
-            self.incarnations[shard] = response.incarnation
-        self._joined[shard] = True
-        self.joins += 1
-        self._watch(shard)
+    @catch_up.setter
+    def catch_up(self, pending: bool) -> None:  # a host's other ranks learn it from its first rank
+        self.membership.catch_up = pending
 
-    def _watch(self, shard: int) -> None:
-        """Hold a Watch open on ``shard``: if this process dies, the stream's end tells the aggregator at once.
+    @property
+    def world(self) -> JobWorld | None:
+        """Elastic: the members as the first shard's Watch stream last announced them."""
+        return self.membership.world
 
-        Never read: the call stays open until ``close`` cancels it (after the
-        Leave, so the aggregator does not take it for a loss) or the process ends.
-        """
-        watching = self._watches[shard]
-        if watching is not None and not watching.done():
-            return
-        request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
-        call = self._stubs[shard].Watch(request, metadata=self._metadata)
-        call.add_done_callback(lambda done: self._watch_ended(shard, done))
-        self._watches[shard] = call
-        if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
-            threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
-
-    def _watch_ended(self, shard: int, call: Any) -> None:
-        """A Watch that ended other than by ``close``: the aggregator cut this rank off, went away, or cannot watch it.
-
-        UNAVAILABLE while this client is open is the aggregator closing the
-        connection, e.g. its keepalive finding this process silent (stopped,
-        partitioned): it counts this rank lost, so a fixed job's rank, alive
-        again, joins again (the aggregator then counts it back) and watches
-        anew, on a thread of its own. If the aggregator itself went away, that
-        Join fails and the pushes' own retries rejoin. An elastic member was
-        dropped instead: it must come back as a joiner with the state, which
-        its adapter does (DiLoCo), never by rejoining its old id here.
-        """
-        code = call.code()
-        cut = code == grpc.StatusCode.UNAVAILABLE and self._joined[shard] and self._watches[shard] is call
-        if cut and not self.elastic:
-            threading.Thread(target=self._rejoin_after_cut, args=(shard,), name="gradq-rejoin", daemon=True).start()
-            return
-        if code == grpc.StatusCode.OK and self._watches[shard] is call:
-            # The aggregator stopped (it ends every Watch with OK): whatever comes back on that address holds no
-            # job of ours, so the next push joins it first, as the same member, instead of being refused.
-            self._joined[shard] = False
-            return
-        # CANCELLED: we closed.
-        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
-            log.warning(
-                "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
-                self.addresses[shard],
-                code.name if code is not None else "?",
-                call.details(),
-            )
-
-    def _counted_lost(self, refusal: str) -> bool:
-        """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
-        return not self.elastic and refusal == "LOST"
-
-    def _rejoin_after_cut(self, shard: int) -> None:
-        try:
-            self._rejoin_shard(shard)
-        except AggregationError as error:
-            log.debug("rejoining %s after its Watch ended failed: %s", self.addresses[shard], error)
-            return
-        log.info("rejoined %s after it cut this rank's Watch (member %d)", self.addresses[shard], self.rank)
-
-    def _read_world(self, call: Any) -> None:
-        """Keep ``world`` current from the Watch stream until it ends."""
-        try:
-            for event in call:
-                self.world = world_of(event)
-        except grpc.RpcError:
-            pass  # the stream ended: ``_watch_ended`` says why when it matters
-
-    # -- elastic state transfer -----------------------------------------------------------------
+    @property
+    def joins(self) -> int:
+        """Successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator."""
+        return self.membership.joins
 
     def fetch_state(self) -> ReceivedState:
-        """A pending elastic member waits (up to ``timeout_s``) for the training state and receives it.
-
-        Raises:
-            AggregationError: refused, the sender went away, or the deadline passed.
-        """
-
-        def fetch(shard: int) -> ReceivedState:
-            request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
-            return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
-
-        # Pending on every shard: the first sends the state, each other one an empty transfer that admits
-        # this member there from the same step (see ``send_state``).
-        with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
-            transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
-            received = [transfer.result() for transfer in transfers]
-        steps = {state.step for state in received}
-        if len(steps) != 1:
-            raise AggregationError(
-                self.addresses[0], None, f"the shards admitted this member at different steps {sorted(steps)}"
-            )
-        self.catch_up = False
-        self.received_state = True
-        return received[0]
+        """See ``ShardMembership.fetch_state``."""
+        return self.membership.fetch_state()
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
-        """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
-
-        Raises:
-            AggregationError: the joiner is not waiting (or went away), or the aggregator could not be reached.
-        """
-        # The other shards first, with nothing: each admits the joiner from ``step`` on, before this member
-        # pushes any of that step there, so none of those rounds can complete without it (as on the first).
-        for shard in range(1, len(self._stubs)):
-            header = serde.state_chunk(self.job_id, self.rank, self.incarnations[shard], joiner, step, 0, b"")
-            send_state(self._stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
-        header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
-        return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
+        """See ``ShardMembership.send_state``."""
+        return self.membership.send_state(joiner, step, data)
 
     def seed_outer(
         self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
     ) -> tuple[bool, int, bytes, bytes]:
-        """DiLoCo: seed, or check, the aggregator's global state of round key ``key`` as it stands before ``step``.
+        """See ``ShardMembership.seed_outer``."""
+        return self.membership.seed_outer(step, key, keys, parameters, momentum)
 
-        Args:
-            step: the outer round the state starts.
-            key: the round key; ``keys``: how many one outer round holds.
-            parameters: float32 global parameters of the key.
-            momentum: float32 outer momentum, as many (None: zeros).
-
-        Returns:
-            (the aggregator holds exactly these, the outer round its copy starts,
-            its parameters and momentum as float32 LE bytes when they differ, else empty).
-
-        Raises:
-            AggregationError: refused (names why) or unreachable.
-        """
-        request = serde.outer_seed(
-            self.job_id,
-            self.rank,
-            self.incarnation,
-            step,
-            key,
-            keys,
-            np.ascontiguousarray(parameters, dtype="<f4").tobytes(),
-            b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
-        )
-        try:
-            answer = self._stubs[0].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise AggregationError.of_call(self.addresses[0], error) from None
-        return answer.matched, answer.step, answer.parameters, answer.momentum
+    def _seed_rng(self, rank: int) -> None:
+        # Per-rank stream so stochastic rounding is independent across ranks.
+        self._rng = np.random.default_rng(None if self.config.seed is None else [self.config.seed, rank])
 
     def close(self) -> None:
         """Fail the pushes still waiting for the window, leave every shard joined (best effort), close."""
         for pending in self._sender.window.close():
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
-        self._leave_shards()
+        self.membership.leave()
         self._sender.close()
         for channel in self._channels:
             channel.close()
-
-    def _leave_shards(self) -> None:
-        """Leave every shard joined (best effort) and end the Watch streams, Leave first."""
-        for shard, stub in enumerate(self._stubs):
-            if self._joined[shard]:
-                request = serde.leave_request(self.job_id, self.rank, self.incarnations[shard])
-                try:
-                    stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
-                except grpc.RpcError as error:
-                    log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
-                self._joined[shard] = False
-        for shard, watching in enumerate(self._watches):
-            if watching is not None:
-                watching.cancel()
-                self._watches[shard] = None
 
     def __enter__(self) -> WorkerClient:
         self.join()
@@ -724,8 +544,8 @@ class WorkerClient:
         if self._sender.window.closed:
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client is closed")
             return pending.result
-        if not self._joined[shard]:
-            self._join_shard(shard)
+        if not self.membership.joined[shard]:
+            self.membership.join_shard(shard)
         pending.sequence = self._sender.next_sequence()
         pending.request = serde.push_pull_request(
             self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnations[shard], pending.sequence

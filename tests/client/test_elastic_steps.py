@@ -44,7 +44,7 @@ def batch(step: int) -> torch.Tensor:
 def drop(client: WorkerClient | None) -> None:
     """End this host's Watch without a Leave: the aggregator takes it for lost and drops it from the job."""
     assert client is not None
-    client._watches[0].cancel()
+    client.membership._watches[0].cancel()
 
 
 class DDPHost:

@@ -143,7 +143,7 @@ def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(
     wait_until(lambda: server.table.in_flight() == 1, "member 0's push to open step 1's round")
     assert not waiting.done()
     lost_at = time.monotonic()
-    second._watches[0].cancel()  # its Watch ends without a Leave: the aggregator takes it for lost
+    second.membership._watches[0].cancel()  # its Watch ends without a Leave: the aggregator takes it for lost
     assert waiting.result(timeout=5).tolist() == [1.0] * 8  # the mean over the one member left
     assert time.monotonic() - lost_at < 2.0
     world = wait_for_world(first, lambda world: world.size == 1)
@@ -279,7 +279,7 @@ def test_membership_changes_are_counted_in_the_metrics(start_aggregator: StartAg
     members = [WorkerClient(address, "m", ANY_RANK, 2, EXACT, elastic=True, timeout_s=10) for _ in range(3)]
     for member in members:
         member.join()
-    members[1]._watches[0].cancel()  # lost
+    members[1].membership._watches[0].cancel()  # lost
     port = server.metrics_port
     counts = wait_until(lambda: (found := _membership(port)).get("rank_lost", 0) >= 1 and found, "the loss counted")
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as answer:

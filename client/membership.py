@@ -1,0 +1,346 @@
+"""ShardMembership: one member's place in its job on every shard (join, watch, rejoin, state transfer, leave).
+
+The worker client keeps the channels and the pushes; this keeps who the
+member is. It joins the first shard first (an elastic member gets its id and
+its run there) and the others with that id and run; says with every Join what
+the member holds (``member_role``), so a shard that restarted serves the run
+the hosts hold; holds a Watch open on each shard (its end tells the aggregator
+at once that this process is gone, and the first shard's carries the job's
+membership news); rejoins a shard that restarted or cut the Watch; and moves
+the training state between a donor and a joiner (see gradq.client.elastic).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from gradq.client import serde
+from gradq.client.elastic import JobWorld, ReceivedState, fetch_state, send_state, world_of
+from gradq.client.sending import AggregationError
+from gradq.proto.v1 import aggregator_pb2 as pb
+
+__all__ = ["ShardMembership"]
+
+log = logging.getLogger(__name__)
+
+# The first wait before an elastic member joins again after the shards disagreed on its run (doubled, at
+# most 2 s): about the time the job's hosts take to come back to a restarted shard.
+_ELASTIC_JOIN_BACKOFF_S = 0.2
+
+
+class ShardMembership:
+    """This member of ``job_id`` on each shard of ``attach``'s (see the module docstring).
+
+    Args:
+        job_id: the job.
+        rank: the member id asked for (ANY_RANK: an elastic member takes the one the first shard gives).
+        spec: what every Join says of the job.
+        incarnation: this run of the job (an elastic member adopts the live run's).
+        timeout_s: deadline of a Join and of each state transfer.
+        reconnect_timeout_s: how long a rejoin waits for a shard that went away.
+        metadata: the calls' credentials.
+        trained: whether a mean has come back to this member (it then holds its run's state).
+        rank_changed: told the member id the first shard gave.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        rank: int,
+        spec: serde.JobSpec,
+        incarnation: str,
+        timeout_s: float,
+        reconnect_timeout_s: float,
+        metadata: Any,
+        trained: Callable[[], bool],
+        rank_changed: Callable[[int], None],
+    ) -> None:
+        self.job_id, self.rank, self.spec = job_id, rank, spec
+        self.elastic = spec.elastic
+        self.timeout_s, self.reconnect_timeout_s = timeout_s, reconnect_timeout_s
+        self.joins = 0  # successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator
+        self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
+        self.received_state = False  # elastic: took the run's training state (FetchState): it holds the run's
+        self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
+        self._metadata = metadata
+        self._trained = trained
+        self._rank_changed = rank_changed
+        self.addresses: list[str] = []
+        self._stubs: list[Any] = []
+        # Each shard's run of the job: the first shard's is the member's run; a shard answers with the run it holds.
+        self.incarnations = [incarnation]
+        self.joined: list[bool] = []  # per shard: joined, so a push may go there without a Join first
+        self._watches: list[Any] = []  # per shard: the Watch held open while joined
+
+    def attach(self, addresses: list[str], stubs: list[Any]) -> None:
+        """The shards, in order (again after discovery learned the group): none is joined yet."""
+        self.addresses, self._stubs = list(addresses), list(stubs)
+        self.incarnations = [self.incarnations[0]] * len(addresses)
+        self.joined = [False] * len(addresses)
+        self._watches = [None] * len(addresses)
+
+    @property
+    def incarnation(self) -> str:
+        """The run of the job joined (on the first shard; see ``incarnations``)."""
+        return self.incarnations[0]
+
+    @incarnation.setter
+    def incarnation(self, incarnation: str) -> None:
+        self.incarnations = [incarnation] * len(self.incarnations)
+
+    # -- joining --------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Join every shard, the first first (see ``_join_elastic`` for an elastic member).
+
+        Raises:
+            AggregationError: a shard refused the join or could not be reached.
+        """
+        if not self.elastic:
+            for shard in range(len(self._stubs)):
+                self.join_shard(shard)
+            return
+        self._join_elastic()
+
+    def _join_elastic(self) -> None:
+        """Join an elastic job on every shard, the first first; start over while a restarted first shard
+        runs a run of its own.
+
+        A first shard that restarted and was reached before the job's hosts came back gives this host an id
+        in a run of its own, which the other shards refuse (ANOTHER_RUN: that id trains in the job's run
+        there). The hosts that hold the job's state take the first shard back (their run replaces one that
+        never trained), so this host leaves, waits and joins again from the first shard, as a newcomer,
+        until ``timeout_s`` has passed.
+        """
+        asked_rank, own_incarnation = self.rank, self.incarnations[0]
+        deadline = time.monotonic() + self.timeout_s
+        backoff = _ELASTIC_JOIN_BACKOFF_S
+        while True:
+            try:
+                for shard in range(len(self._stubs)):
+                    self.join_shard(shard)
+                return
+            except AggregationError as error:
+                if error.refusal != "ANOTHER_RUN" or self.received_state or time.monotonic() + backoff > deadline:
+                    raise
+                log.warning("joining again from the first shard in %.1f s: %s", backoff, error)
+            self.leave()
+            self.rank, self.catch_up, self.incarnation = asked_rank, False, own_incarnation
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
+
+    def rejoin_shard(self, shard: int) -> None:
+        """Join ``shard`` again (it restarted, or refused a push as not holding this member)."""
+        self.join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
+
+    def member_role(self) -> pb.MemberRole:
+        """What this member brings to a Join (a proto MemberRole): the server decides on it after a restart.
+
+        Pending on the first shard: JOINING. Trained in its run (a mean came back, or it received the
+        state): RESUMING, so a shard that lost the run takes it back as training and a run formed there
+        by hosts without state yields to it. Otherwise STARTING.
+        """
+        if not self.elastic:
+            return pb.MEMBER_ROLE_STARTING
+        if self.catch_up:
+            return pb.MEMBER_ROLE_JOINING
+        if self.received_state or self._trained():
+            return pb.MEMBER_ROLE_RESUMING
+        return pb.MEMBER_ROLE_STARTING
+
+    def join_shard(self, shard: int, patience: float | None = None) -> None:
+        """Join ``shard``. An elastic member joins the first shard first, which gives it its id and its run;
+        the other shards follow that id and that run (one run identity across shards), each answering with
+        the run it holds."""
+        incarnation = self.incarnations[0] if self.elastic else self.incarnations[shard]
+        request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, self.member_role())
+        timeout = self.timeout_s if patience is None else patience
+        try:
+            response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise AggregationError.of_call(self.addresses[shard], error) from None
+        if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
+            self.rank, self.catch_up = response.rank, response.catch_up
+            self._rank_changed(self.rank)
+        elif self.elastic and response.rank != self.rank:
+            raise AggregationError(
+                self.addresses[shard],
+                None,
+                f"joined as member {response.rank}, not {self.rank} as on {self.addresses[0]}; every shard of an "
+                f"elastic job must hold the same members",
+            )
+        if self.elastic:
+            self.incarnations[shard] = response.incarnation
+        self.joined[shard] = True
+        self.joins += 1
+        self._watch(shard)
+
+    def counted_lost(self, refusal: str) -> bool:
+        """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
+        return not self.elastic and refusal == "LOST"
+
+    # -- watching -------------------------------------------------------------------------------
+
+    def _watch(self, shard: int) -> None:
+        """Hold a Watch open on ``shard``: if this process dies, the stream's end tells the aggregator at once.
+
+        Never read but on the first shard of an elastic job (its membership news): the call stays open
+        until ``leave`` cancels it (after the Leave, so the aggregator does not take it for a loss) or the
+        process ends.
+        """
+        watching = self._watches[shard]
+        if watching is not None and not watching.done():
+            return
+        request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
+        call = self._stubs[shard].Watch(request, metadata=self._metadata)
+        call.add_done_callback(lambda done: self._watch_ended(shard, done))
+        self._watches[shard] = call
+        if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
+            threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
+
+    def _watch_ended(self, shard: int, call: Any) -> None:
+        """A Watch that ended other than by ``leave``: the aggregator cut this rank off, went away, or cannot watch it.
+
+        UNAVAILABLE while joined is the aggregator closing the connection,
+        e.g. its keepalive finding this process silent (stopped, partitioned):
+        it counts this rank lost, so a fixed job's rank, alive again, joins
+        again (the aggregator then counts it back) and watches anew, on a
+        thread of its own. If the aggregator itself went away, that Join fails
+        and the pushes' own retries rejoin. An elastic member was dropped
+        instead: it must come back as a joiner with the state, which its
+        adapter does, never by rejoining its old id here.
+        """
+        code = call.code()
+        cut = code == grpc.StatusCode.UNAVAILABLE and self.joined[shard] and self._watches[shard] is call
+        if cut and not self.elastic:
+            threading.Thread(target=self._rejoin_after_cut, args=(shard,), name="gradq-rejoin", daemon=True).start()
+            return
+        if code == grpc.StatusCode.OK and self._watches[shard] is call:
+            # The aggregator stopped (it ends every Watch with OK): whatever comes back on that address holds no
+            # job of ours, so the next push joins it first, as the same member, instead of being refused.
+            self.joined[shard] = False
+            return
+        # CANCELLED: we left.
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            log.warning(
+                "aggregator %s does not watch this rank (%s: %s); losing it is found at the round deadline",
+                self.addresses[shard],
+                code.name if code is not None else "?",
+                call.details(),
+            )
+
+    def _rejoin_after_cut(self, shard: int) -> None:
+        try:
+            self.rejoin_shard(shard)
+        except AggregationError as error:
+            log.debug("rejoining %s after its Watch ended failed: %s", self.addresses[shard], error)
+            return
+        log.info("rejoined %s after it cut this rank's Watch (member %d)", self.addresses[shard], self.rank)
+
+    def _read_world(self, call: Any) -> None:
+        """Keep ``world`` current from the Watch stream until it ends."""
+        try:
+            for event in call:
+                self.world = world_of(event)
+        except grpc.RpcError:
+            pass  # the stream ended: ``_watch_ended`` says why when it matters
+
+    # -- the training state ---------------------------------------------------------------------
+
+    def fetch_state(self) -> ReceivedState:
+        """A pending elastic member waits (up to ``timeout_s``) for the training state and receives it.
+
+        Raises:
+            AggregationError: refused, the sender went away, or the deadline passed.
+        """
+
+        def fetch(shard: int) -> ReceivedState:
+            request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
+            return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
+
+        # Pending on every shard: the first sends the state, each other one an empty transfer that admits
+        # this member there from the same step (see ``send_state``).
+        with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
+            transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
+            received = [transfer.result() for transfer in transfers]
+        steps = {state.step for state in received}
+        if len(steps) != 1:
+            raise AggregationError(
+                self.addresses[0], None, f"the shards admitted this member at different steps {sorted(steps)}"
+            )
+        self.catch_up = False
+        self.received_state = True
+        return received[0]
+
+    def send_state(self, joiner: int, step: int, data: bytes) -> int:
+        """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
+
+        Raises:
+            AggregationError: the joiner is not waiting (or went away), or the aggregator could not be reached.
+        """
+        # The other shards first, with nothing: each admits the joiner from ``step`` on, before this member
+        # pushes any of that step there, so none of those rounds can complete without it (as on the first).
+        for shard in range(1, len(self._stubs)):
+            header = serde.state_chunk(self.job_id, self.rank, self.incarnations[shard], joiner, step, 0, b"")
+            send_state(self._stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
+        header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
+        return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
+
+    def seed_outer(
+        self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
+    ) -> tuple[bool, int, bytes, bytes]:
+        """DiLoCo: seed, or check, the aggregator's global state of round key ``key`` as it stands before ``step``.
+
+        Args:
+            step: the outer round the state starts.
+            key: the round key; ``keys``: how many one outer round holds.
+            parameters: float32 global parameters of the key.
+            momentum: float32 outer momentum, as many (None: zeros).
+
+        Returns:
+            (the aggregator holds exactly these, the outer round its copy starts,
+            its parameters and momentum as float32 LE bytes when they differ, else empty).
+
+        Raises:
+            AggregationError: refused (names why) or unreachable.
+        """
+        request = serde.outer_seed(
+            self.job_id,
+            self.rank,
+            self.incarnation,
+            step,
+            key,
+            keys,
+            np.ascontiguousarray(parameters, dtype="<f4").tobytes(),
+            b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
+        )
+        try:
+            answer = self._stubs[0].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise AggregationError.of_call(self.addresses[0], error) from None
+        return answer.matched, answer.step, answer.parameters, answer.momentum
+
+    # -- leaving --------------------------------------------------------------------------------
+
+    def leave(self) -> None:
+        """Leave every shard joined (best effort) and end the Watch streams, Leave first."""
+        for shard, stub in enumerate(self._stubs):
+            if self.joined[shard]:
+                request = serde.leave_request(self.job_id, self.rank, self.incarnations[shard])
+                try:
+                    stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
+                except grpc.RpcError as error:
+                    log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
+                self.joined[shard] = False
+        for shard, watching in enumerate(self._watches):
+            if watching is not None:
+                watching.cancel()
+                self._watches[shard] = None
