@@ -177,7 +177,6 @@ class WorkerClient:
         self.elastic = elastic
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
-        self.timeout_s = timeout_s
         channel = self.config.channel_size
         self.chunk_elements = channel_count(chunk_elements, channel) * channel if chunk_elements > 0 else 0
         self._error_feedback = error_feedback
@@ -269,6 +268,15 @@ class WorkerClient:
         self.membership.join()
 
     # -- membership, as gradq.client.membership keeps it ------------------------------------------
+
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of a Join and of each state transfer (a push's is fixed when the client is made)."""
+        return self.membership.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, timeout_s: float) -> None:  # the session joins under its connect timeout
+        self.membership.timeout_s = timeout_s
 
     @property
     def rank(self) -> int:
