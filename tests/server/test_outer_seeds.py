@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 from conditions import wait_until
 from conftest import StartAggregator
+from outer_hosts import STEP, Host, joiner_of
 
 from gradq.client import AggregationError, WorkerClient
-from gradq.client.elastic import ANY_RANK
-from gradq.qcore import QuantConfig, Scheme
-from gradq.qcore.outer_step import OuterStep, take_outer_step
+from gradq.qcore.outer_step import take_outer_step
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.outer_service import AGGREGATOR_SENDER
 from gradq.server.outer_state import KEY_ENTRY_BYTES, OuterState
@@ -30,12 +29,9 @@ from gradq.server.policy import RoundPolicy
 from gradq.server.state_relay import RELAY_BYTES
 from gradq.server.step_window import GRID_ENTRY_BYTES
 
-EXACT = QuantConfig(scheme=Scheme.FLOAT32)  # the mean is the pushes' exact average: the arithmetic is checkable
-STEP = OuterStep(lr=0.7, momentum=0.9, nesterov=True)
 DEADLINE_S = 20.0
 AT_ONCE_S = 5.0  # a refusal "at once": well inside the rounds' deadline
 KEYS = 2
-Host = Callable[..., WorkerClient]
 
 
 def values(seed: int, size: int = 1000) -> np.ndarray:
@@ -55,22 +51,10 @@ def server(start_aggregator: StartAggregator) -> AggregatorServer:
     return start_aggregator(RoundPolicy(round_timeout_s=DEADLINE_S))
 
 
-def hosts_of(port: int, clients: list[WorkerClient]) -> Host:
-    def join(hosts: int = 2) -> WorkerClient:
-        client = WorkerClient(
-            f"127.0.0.1:{port}", "d", ANY_RANK, hosts, EXACT, elastic=True, timeout_s=DEADLINE_S, outer_step=STEP
-        )
-        clients.append(client)
-        client.join()
-        return client
-
-    return join
-
-
 @pytest.fixture
 def host(server: AggregatorServer) -> Iterator[Host]:
     clients: list[WorkerClient] = []
-    yield hosts_of(server.port, clients)
+    yield joiner_of(server.port, clients, DEADLINE_S)
     for client in clients:
         client.close()
 
@@ -130,7 +114,7 @@ def test_a_non_finite_seed_is_refused_naming_the_key_and_index_and_holds_nothing
 ) -> None:
     server = start_aggregator(RoundPolicy(round_timeout_s=DEADLINE_S, non_finite=non_finite))
     clients: list[WorkerClient] = []
-    first, second = (hosts_of(server.port, clients)() for _ in range(2))
+    first, second = (joiner_of(server.port, clients, DEADLINE_S)() for _ in range(2))
     try:
 
         def poisoned(step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +170,7 @@ def test_hosts_at_different_outer_rounds_follow_the_newest_and_the_one_behind_ca
     first_run = start_aggregator(RoundPolicy(round_timeout_s=DEADLINE_S))
     clients: list[WorkerClient] = []
     a_state = [(values(10 + key), values(20 + key)) for key in range(KEYS)]
-    for client in (hosts_of(first_run.port, clients)(), hosts_of(first_run.port, clients)()):
+    for client in (joiner_of(first_run.port, clients, DEADLINE_S)(), joiner_of(first_run.port, clients, DEADLINE_S)()):
         assert all(seed_all(client, 5, a_state))
     for client in clients:
         client.close()
@@ -197,7 +181,7 @@ def test_hosts_at_different_outer_rounds_follow_the_newest_and_the_one_behind_ca
     )
     restarted.start()
     clients = []
-    join = hosts_of(port, clients)
+    join = joiner_of(port, clients, DEADLINE_S)
     b_state = [(values(30 + key), values(40 + key)) for key in range(KEYS)]
     pool = ThreadPoolExecutor(1)
     try:

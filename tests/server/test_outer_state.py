@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from conditions import wait_until
 from conftest import StartAggregator
+from outer_hosts import STEP, Host, joiner_of
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
-from gradq.qcore import QuantConfig, Scheme
 from gradq.qcore.outer_step import OuterStep, take_outer_step
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.errors import FailedPreconditionError, InvalidArgumentError
@@ -24,10 +24,6 @@ from gradq.server.outer_service import AGGREGATOR_SENDER
 from gradq.server.outer_state import KEY_ENTRY_BYTES, OuterState
 from gradq.server.policy import RoundPolicy
 from gradq.server.state_relay import RELAY_BYTES
-
-EXACT = QuantConfig(scheme=Scheme.FLOAT32)
-STEP = OuterStep(lr=0.7, momentum=0.9, nesterov=True)
-Host = Callable[..., WorkerClient]
 
 
 def values(seed: int, size: int = 1000) -> np.ndarray:
@@ -86,18 +82,6 @@ def test_bad_seeds_are_refused_naming_the_field() -> None:
 @pytest.fixture
 def server(start_aggregator: StartAggregator) -> AggregatorServer:
     return start_aggregator(RoundPolicy(round_timeout_s=20.0))
-
-
-def joiner_of(port: int, clients: list[WorkerClient]) -> Host:
-    def join(outer_step: OuterStep | None = STEP, job: str = "d", hosts: int = 2) -> WorkerClient:
-        client = WorkerClient(
-            f"127.0.0.1:{port}", job, ANY_RANK, hosts, EXACT, elastic=True, timeout_s=20, outer_step=outer_step
-        )
-        clients.append(client)
-        client.join()
-        return client
-
-    return join
 
 
 @pytest.fixture
