@@ -195,6 +195,8 @@ class AggregatorServer:
             limits=self.limits,
             job_finished=self._count_finished_job,
         )
+        if self.metrics is not None:
+            self.metrics.watch_budget(self.table.budget)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
         waiting = WaitingCalls(
             self.limits.max_waiting_per_job, self.limits.max_waiting_per_peer, self.limits.max_waiting_calls

@@ -12,9 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from gradq.proto.convert import DTYPE_BYTES
+from gradq.server.budget import MemoryBudget
 from gradq.server.reports import RoundReport
 
 __all__ = ["JobTotals", "RoundMetrics"]
@@ -119,6 +120,21 @@ class RoundMetrics:
         self.members = Gauge(
             "gradq_job_members", "Members training in an elastic job after its last change", job, registry=self.registry
         )
+        # process_start_time_seconds (a restart) and process_resident_memory_bytes, for the alerts and dashboard.
+        ProcessCollector(registry=self.registry)
+        self.memory_budget = Gauge(
+            "gradq_memory_budget_bytes", "The memory budget (--max-memory-bytes)", registry=self.registry
+        )
+        self.memory_in_use = Gauge(
+            "gradq_memory_in_use_bytes",
+            "Bytes of the memory budget held now (rounds, retained means, residuals, grids, DiLoCo state, relays)",
+            registry=self.registry,
+        )
+
+    def watch_budget(self, budget: MemoryBudget) -> None:
+        """Read ``budget``'s limit and use at every scrape."""
+        self.memory_budget.set_function(lambda: budget.limit)
+        self.memory_in_use.set_function(lambda: budget.in_use)
 
     def round_finished(self, report: RoundReport) -> None:
         """Record one finished round."""

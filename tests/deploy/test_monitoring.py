@@ -221,6 +221,9 @@ def aggregator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveAggrega
             failing = background.submit(fail_a_round, address)
             member = lose_a_host(address, logs)
             failing.result(timeout=WAIT_S)
+        # Every series a check reads exists once the training job has finished rounds (a busy machine may be slow).
+        wait_until(lambda: training.steps >= 2 or not training.training, "the training job's first rounds", WAIT_S)
+        assert training.training, f"the training job stopped: {training.error!r}"
         try:
             yield LiveAggregator(metrics_port, training)
         finally:
