@@ -34,6 +34,7 @@ from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.session.member import dropped_from_job
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.stats import ClientStats
+from gradq.client.torch_support import require_torch
 from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 
@@ -104,6 +105,7 @@ class GradqHookState:
         bit_policy: str = "uniform",
         average_bits: float = DEFAULT_AVERAGE_BITS,
     ) -> None:
+        require_torch("ddp")
         gradq_config = GradqConfig.of(
             addresses,
             config,

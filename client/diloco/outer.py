@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
@@ -68,6 +67,7 @@ from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.session.member import dropped_from_job
 from gradq.client.stats import ClientStats
+from gradq.client.torch_support import is_fsdp2_module, require_torch
 
 __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_outer_optimizer"]
 
@@ -135,6 +135,7 @@ class DiLoCo:
         quorum: int = 0,
         grace_s: float = 1.0,
     ) -> None:
+        require_torch("diloco")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} is invalid; expected an integer >= 1 (inner steps per round)")
         if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 1:
@@ -154,7 +155,7 @@ class DiLoCo:
             )
         if not (isinstance(grace_s, int | float) and 0 <= grace_s <= 3600):
             raise ValueError(f"grace_s={grace_s!r} is invalid; expected seconds in [0, 3600]")
-        self._sharded = isinstance(model, FSDPModule)  # FSDP2 inside the host: each rank holds its own shards
+        self._sharded = is_fsdp2_module(model)  # FSDP2 inside the host: each rank holds its own shards
         if self._sharded and outer_step != "aggregator":
             raise ValueError(
                 "outer_step='hosts' with an FSDP2 model: its ranks hold shards, which a host-side torch optimizer "

@@ -35,18 +35,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from gradq.client.config import GradqConfig
 from gradq.client.fsdp.units import Hosts, Unit, find_hosts, units_of
 from gradq.client.session import GradqSession
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.stats import ClientStats
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["GradqFSDP", "use_gradq"]
 
@@ -71,6 +73,7 @@ def use_gradq(model: nn.Module | FSDPModule, config: Any) -> GradqFSDP:
         ``stats()`` the client's figures and ``close()`` leaves the job.
 
     Raises:
+        TorchTooOldError: the installed torch is older than MINIMUM_TORCH["fsdp"] (gradq.client.torch_support).
         TypeError: ``model`` is not an FSDP2 module, or ``config`` no configuration.
         ValueError: a 2-D (native HSDP) mesh, several parameter groups, hosts
             of different sizes, or a configuration this adapter does not serve.
@@ -224,7 +227,7 @@ class GradqFSDP:
         if self.session.config.error_feedback and self.session.mode == "gradq":
             for unit in self.units:
                 key = self._key(unit)
-                held = self.session.residuals.read(key, unit.shard_numel, self._device(unit))
+                held = self.session.residuals.read(key, unit.shard_numel, unit.device)
                 state[self._residual_name(key)] = held if held is not None else torch.zeros(unit.shard_numel)
         return state
 
@@ -254,16 +257,13 @@ class GradqFSDP:
         for unit in self.units:
             residual = state.get(self._residual_name(self._key(unit)))
             if isinstance(residual, torch.Tensor):
-                self.session.residuals.write(self._key(unit), residual, self._device(unit))
+                self.session.residuals.write(self._key(unit), residual, unit.device)
 
     def _key(self, unit: Unit) -> int:
         return unit.index * self.hosts.local_size + self.hosts.local_rank
 
     def _residual_name(self, key: int) -> str:
         return f"residual/host{self.hosts.host}/key{key}"
-
-    def _device(self, unit: Unit) -> torch.device:
-        return torch.device(unit.group.device)
 
 
 def _config_of(config: Any) -> GradqConfig:

@@ -3,20 +3,28 @@
 gradq takes FSDP2's ``set_all_reduce_hook`` slot, which exists only when a unit
 is sharded over a 1-D mesh (the ranks of one host) and holds one parameter
 group. Everything here is read off the model and refused with a message naming
-the unit; nothing talks to the aggregator. ``find_hosts`` is the one collective
-(over the default group): every rank says which ranks share its shard group,
-and those groups are the job's hosts.
+the unit; nothing talks to the aggregator. The mesh, dtypes and gradients are
+read from the sharded parameters (public DTensor API); what torch keeps
+private is read through gradq.client.fsdp.torch_internals. ``find_hosts`` is
+the one collective (over the default group): every rank says which ranks
+share its shard group, and those groups are the job's hosts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+
+from gradq.client.fsdp import torch_internals
+from gradq.client.torch_support import require_torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["Hosts", "Unit", "find_hosts", "units_of"]
 
@@ -28,21 +36,25 @@ class Unit:
     index: int  # its place in the model's module order: the same on every host
     name: str  # its qualified name ("" for the root), for messages
     module: FSDPModule
-    group: Any  # torch's FSDPParamGroup (private type)
+    params: tuple[nn.Parameter, ...]  # the group's sharded parameters (DTensors), as the module holds them
+    shard_numel: int  # elements of this rank's reduce-scattered shard: the padded shards of its trainable parameters
+    group: Any  # torch's FSDPParamGroup (private type), read only through torch_internals
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh the unit is sharded over: the host's ranks."""
+        mesh: DeviceMesh = self.params[0].device_mesh  # type: ignore[attr-defined]  # a DTensor's
+        return mesh
 
     @property
     def shard_ranks(self) -> tuple[int, ...]:
         """The global ranks this unit is sharded over: the host's."""
-        return tuple(dist.get_process_group_ranks(self.group.mesh_info.shard_process_group))
+        return tuple(dist.get_process_group_ranks(self.mesh.get_group()))
 
     @property
-    def shard_numel(self) -> int:
-        """Elements of this rank's reduce-scattered shard: the padded shards of its trainable parameters."""
-        return sum(
-            param.padded_sharded_param_size.numel()
-            for param in self.group.fsdp_params
-            if param.sharded_param.requires_grad
-        )
+    def device(self) -> torch.device:
+        """The kind of device FSDP reduces on, the mesh's: where the shard, and so its residual, lives."""
+        return torch.device(self.mesh.device_type)
 
     def fills_in_place(self, shard: torch.Tensor) -> bool:
         """Whether FSDP makes ``shard`` itself the parameters' gradients, untouched until the optimizer reads them.
@@ -50,22 +62,19 @@ class Unit:
         Then the mean may land after the hook returns (before backward ends).
         FSDP copies or reads the shard right after the hook when it casts to
         another dtype, divides after the reduction (fp16 reductions, forced
-        sums), accumulates into an existing gradient, offloads it to the host,
-        or runs post-accumulate-grad hooks; on a GPU the shard is another
-        stream's. In those cases the hook waits for the mean instead.
+        sums), accumulates into an existing gradient, or runs post-accumulate-grad
+        hooks; on a GPU the shard is another stream's (and CPU offload copies
+        it). In those cases the hook waits for the mean instead.
         """
-        group = self.group
-        if shard.device.type != "cpu" or shard.dtype != group._orig_dtype:
+        if shard.device.type != "cpu" or shard.dtype not in (torch.float32, torch.bfloat16):
             return False
-        if shard.dtype not in (torch.float32, torch.bfloat16) or group.force_sum_reduction_for_comms:
+        if torch_internals.sums_after_hook(self.group):
             return False
-        for param in group.fsdp_params:
-            sharded = param.sharded_param
-            if (
-                param.offload_to_cpu
-                or sharded.grad is not None
-                or getattr(sharded, "_post_accumulate_grad_hooks", None)
-            ):
+        for param in self.params:
+            grad_dtype = getattr(param, "grad_dtype", param.dtype)  # torch 2.15 casts to it, when set apart
+            if param.requires_grad and (param.dtype != shard.dtype or grad_dtype != shard.dtype):
+                return False
+            if param.grad is not None or torch_internals.has_post_accumulate_grad_hooks(param):
                 return False
         return True
 
@@ -85,10 +94,14 @@ def units_of(model: nn.Module | FSDPModule) -> list[Unit]:
     """The FSDP units of ``model`` that hold parameters, in module order; refuses what gradq cannot serve.
 
     Raises:
+        TorchTooOldError: the installed torch has no FSDP2 all-reduce hook (before 2.7).
         TypeError: ``model`` is not sharded with FSDP2's ``fully_shard``.
         ValueError: a unit is sharded over a 2-D mesh (native HSDP), holds
             several parameter groups, or shards over another group than the rest.
     """
+    require_torch("fsdp")
+    from torch.distributed.fsdp import FSDPModule  # public since torch 2.6
+
     if not isinstance(model, FSDPModule) or not isinstance(model, nn.Module):
         raise TypeError(
             f"model is {type(model).__name__}, not sharded with FSDP2; call "
@@ -99,7 +112,7 @@ def units_of(model: nn.Module | FSDPModule) -> list[Unit]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = torch_internals.parameter_groups(module)
         where = f"FSDP unit {name or '<root>'!r}"
         if len(groups) > 1:
             raise ValueError(
@@ -109,12 +122,13 @@ def units_of(model: nn.Module | FSDPModule) -> list[Unit]:
         if not groups:
             continue  # no parameters of its own: FSDP reduces nothing for it
         group = groups[0]
-        if group._is_hsdp:
+        params = tuple(torch_internals.sharded_parameters(group))
+        unit = Unit(len(units), name, module, params, torch_internals.padded_shard_numel(group), group)
+        if unit.mesh.ndim != 1:
             raise ValueError(
-                f"{where} is sharded over a 2-D mesh (native HSDP, which all-reduces across hosts itself); "
-                f'expected the host\'s ranks only: fully_shard(..., mesh=mesh["shard"])'
+                f"{where} is sharded over a {unit.mesh.ndim}-D mesh (native HSDP, which all-reduces across hosts "
+                f'itself); expected the host\'s ranks only: fully_shard(..., mesh=mesh["shard"])'
             )
-        unit = Unit(len(units), name, module, group)
         ranks = unit.shard_ranks
         if shard_ranks is not None and ranks != shard_ranks:
             raise ValueError(

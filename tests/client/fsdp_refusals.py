@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.fsdp._fully_shard import _fsdp_common
 from torch.distributed.tensor import Shard
 
 from gradq.client.config import GradqConfig
@@ -31,6 +31,19 @@ def refusal(attempt: Callable[[], object]) -> str:
     return "accepted"
 
 
+def several_parameter_groups(mesh: DeviceMesh, config: GradqConfig) -> str:
+    """use_gradq on a unit with a per-parameter mesh (torch 2.12 and newer; before, a unit has one group)."""
+    placement = getattr(_fsdp_common, "ShardPlacementResult", None)
+    if placement is None:
+        return f"not possible on torch {torch.__version__}"
+    split = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    other = _fsdp_common.FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+    fully_shard(
+        split, mesh=mesh, shard_placement_fn=lambda p: placement(Shard(0), other) if p is split[1].weight else None
+    )
+    return refusal(lambda: use_gradq(split, config))
+
+
 def main() -> None:
     address, port = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -39,14 +52,7 @@ def main() -> None:
     found = {"not sharded": refusal(lambda: use_gradq(nn.Linear(4, 4), config))}
     native = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
     found["2-D mesh"] = refusal(lambda: use_gradq(native, config))
-    split = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
-    fully_shard(
-        split,
-        mesh=mesh,
-        shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p is split[1].weight else None,
-    )
-    found["parameter groups"] = refusal(lambda: use_gradq(split, config))
+    found["parameter groups"] = several_parameter_groups(mesh, config)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fully_shard(model, mesh=mesh)
     found["not a config"] = refusal(lambda: use_gradq(model, {"bits": 8}))

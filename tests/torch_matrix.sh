@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The torch matrix: gradq's torch-using tests on torch releases other than the pin (tests/run.sh tests the pin).
+# For each release named, a venv .venv-torch-<release> (kept between runs) gets that torch from the package index
+# (on Linux a CUDA build, which runs on the CPU) and gradq with the pinned test environment less its torch pin.
+# Then pytest runs there what depends on torch's version: tests/client and the import layers (every adapter and
+# integration: the DDP hook, FSDP2, DiLoCo, the torch codec) and, on a torch that has FSDP2's all-reduce hook, the
+# FSDP2 end-to-end tests. The torch-free rest (qcore, server, proto, docs) is the same on every release and runs
+# once, in tests/run.sh.
+# Usage: bash tests/torch_matrix.sh RELEASE... [-- PYTEST-ARGS], e.g. `bash tests/torch_matrix.sh 2.8.0 2.15.0`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python="${PYTHON:-python3}"
+releases=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    releases+=("$1")
+    shift
+done
+[ $# -gt 0 ] && shift  # the "--"
+[ ${#releases[@]} -gt 0 ] || { echo "usage: bash tests/torch_matrix.sh RELEASE... [-- PYTEST-ARGS]" >&2; exit 2; }
+
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+grep -v '^torch==' tests/constraints.txt >"$constraints"
+# PIP_CONSTRAINT stands in for any constraint file pip's own configuration names (a machine may cap torch's release).
+export PIP_CONSTRAINT="$constraints" PIP_DISABLE_PIP_VERSION_CHECK=1
+
+for release in "${releases[@]}"; do
+    venv=".venv-torch-$release"
+    started=$SECONDS
+    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet "torch==$release"
+    "$venv/bin/python" -m pip install --quiet -e '.[dev,torch,fsdp,diloco,demo,accelerate,transformers,ray]'
+    installed=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+    echo "== torch $installed ready in $venv after $((SECONDS - started)) s"
+    "$venv/bin/python" -m pytest -p no:cacheprovider tests/client tests/test_layers.py "$@"
+    # The FSDP2 end-to-end tests need the all-reduce hook; below its floor test_torch_support checks the refusal.
+    if "$venv/bin/python" -c 'import sys, torch
+from gradq.client.torch_support import MINIMUM_TORCH, torch_release
+sys.exit(torch_release(torch.__version__) < MINIMUM_TORCH["fsdp"])'; then
+        "$venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/client/test_fsdp.py "$@"
+    fi
+    echo "== torch $installed: tested after $((SECONDS - started)) s"
+done
