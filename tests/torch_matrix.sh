@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The torch matrix: gradq's torch-using tests on torch releases other than the pin (tests/run.sh tests the pin).
 # For each release named, a venv .venv-torch-<release> (kept between runs) gets that torch from the package index
-# (on Linux a CUDA build, which runs on the CPU) and gradq with the pinned test environment less its torch pin.
+# (on Linux a CUDA build, which runs on the CPU) and gradq with every extra's packages, pinned by
+# tests/constraints.txt less its torch pin.
 # Then pytest runs there what depends on torch's version: tests/client and the import layers (every adapter and
 # integration: the DDP hook, FSDP2, DiLoCo, the torch codec) and, on a torch that has FSDP2's all-reduce hook, the
 # FSDP2 end-to-end tests. The torch-free rest (qcore, server, proto, docs) is the same on every release and runs
@@ -24,21 +25,30 @@ trap 'rm -f "$constraints"' EXIT
 grep -v '^torch==' tests/constraints.txt >"$constraints"
 # PIP_CONSTRAINT stands in for any constraint file pip's own configuration names (a machine may cap torch's release).
 export PIP_CONSTRAINT="$constraints" PIP_DISABLE_PIP_VERSION_CHECK=1
+failed=()  # the releases whose tests failed: every release runs, then the script fails naming them
 
 for release in "${releases[@]}"; do
     venv=".venv-torch-$release"
     started=$SECONDS
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet "torch==$release"
-    "$venv/bin/python" -m pip install --quiet -e '.[dev,torch,fsdp,diloco,demo,accelerate,transformers,ray]'
+    # Every extra's requirements but its torch floor (the floors are for users; here torch is the release under test).
+    mapfile -t requirements < <("$venv/bin/python" -c 'import tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+print("\n".join(sorted({r for e in extras.values() for r in e if not r.startswith("torch")})))')
+    "$venv/bin/python" -m pip install --quiet "torch==$release" -e . "${requirements[@]}"
     installed=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+    case "$installed" in
+        "$release" | "$release+"*) ;;
+        *) echo "torch $installed is installed in $venv; expected $release" >&2 && exit 1 ;;
+    esac
     echo "== torch $installed ready in $venv after $((SECONDS - started)) s"
-    "$venv/bin/python" -m pytest -p no:cacheprovider tests/client tests/test_layers.py "$@"
+    "$venv/bin/python" -m pytest -p no:cacheprovider tests/client tests/test_layers.py "$@" || failed+=("$release")
     # The FSDP2 end-to-end tests need the all-reduce hook; below its floor test_torch_support checks the refusal.
     if "$venv/bin/python" -c 'import sys, torch
 from gradq.client.torch_support import MINIMUM_TORCH, torch_release
 sys.exit(torch_release(torch.__version__) < MINIMUM_TORCH["fsdp"])'; then
-        "$venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/client/test_fsdp.py "$@"
+        "$venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/client/test_fsdp.py "$@" || failed+=("$release e2e")
     fi
     echo "== torch $installed: tested after $((SECONDS - started)) s"
 done
+[ ${#failed[@]} -eq 0 ] || { echo "== torch matrix failed on: ${failed[*]}" >&2; exit 1; }
