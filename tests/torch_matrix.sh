@@ -7,7 +7,10 @@
 # integration: the DDP hook, FSDP2, DiLoCo, the torch codec) and, on a torch that has FSDP2's all-reduce hook, the
 # FSDP2 end-to-end tests. The torch-free rest (qcore, server, proto, docs) is the same on every release and runs
 # once, in tests/run.sh.
-# Usage: bash tests/torch_matrix.sh RELEASE... [-- PYTEST-ARGS], e.g. `bash tests/torch_matrix.sh 2.8.0 2.15.0`.
+# A release written RELEASE:fsdp runs only the FSDP2 tests (the torch floor of use_gradq, when another release
+# already covers the rest).
+# Usage: bash tests/torch_matrix.sh RELEASE[:fsdp]... [-- PYTEST-ARGS]
+# e.g. `bash tests/torch_matrix.sh 2.3.1 2.8.0:fsdp 2.15.0`: the DDP hook's and DiLoCo's floor, FSDP2's, the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +21,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     shift
 done
 [ $# -gt 0 ] && shift  # the "--"
-[ ${#releases[@]} -gt 0 ] || { echo "usage: bash tests/torch_matrix.sh RELEASE... [-- PYTEST-ARGS]" >&2; exit 2; }
+[ ${#releases[@]} -gt 0 ] || { echo "usage: bash tests/torch_matrix.sh RELEASE[:fsdp]... [-- PYTEST-ARGS]" >&2; exit 2; }
 
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
@@ -27,7 +30,10 @@ grep -v '^torch==' tests/constraints.txt >"$constraints"
 export PIP_CONSTRAINT="$constraints" PIP_DISABLE_PIP_VERSION_CHECK=1
 failed=()  # the releases whose tests failed: every release runs, then the script fails naming them
 
-for release in "${releases[@]}"; do
+for spec in "${releases[@]}"; do
+    release="${spec%:fsdp}"
+    tests=(tests/client tests/test_layers.py)
+    [ "$spec" = "$release" ] || tests=(tests/client/test_fsdp_internals.py tests/client/test_torch_support.py)
     venv=".venv-torch-$release"
     started=$SECONDS
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -35,14 +41,17 @@ for release in "${releases[@]}"; do
     mapfile -t requirements < <("$venv/bin/python" -c 'import tomllib
 extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
 print("\n".join(sorted({r for e in extras.values() for r in e if not r.startswith("torch")})))')
-    "$venv/bin/python" -m pip install --quiet "torch==$release" -e . "${requirements[@]}"
+    # uv, not pip: it downloads and unpacks torch's CUDA wheels (about 3 GB) in parallel, in seconds rather than minutes.
+    "$venv/bin/python" -m pip install --quiet uv==0.13.9
+    "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --constraint "$constraints" \
+        "torch==$release" -e . "${requirements[@]}"
     installed=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
     case "$installed" in
         "$release" | "$release+"*) ;;
         *) echo "torch $installed is installed in $venv; expected $release" >&2 && exit 1 ;;
     esac
     echo "== torch $installed ready in $venv after $((SECONDS - started)) s"
-    "$venv/bin/python" -m pytest -p no:cacheprovider tests/client tests/test_layers.py "$@" || failed+=("$release")
+    "$venv/bin/python" -m pytest -p no:cacheprovider "${tests[@]}" "$@" || failed+=("$release")
     # The FSDP2 end-to-end tests need the all-reduce hook; below its floor test_torch_support checks the refusal.
     if "$venv/bin/python" -c 'import sys, torch
 from gradq.client.torch_support import MINIMUM_TORCH, torch_release
