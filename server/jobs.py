@@ -25,7 +25,7 @@ from gradq.server.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from gradq.server.job_spec import MAX_JOB_ID_LENGTH, JobSpec, MemberRole, check_job_id
+from gradq.server.job_spec import ANY_RANK, MAX_JOB_ID_LENGTH, JobSpec, MemberRole, check_job_id
 from gradq.server.limits import ServiceLimits
 from gradq.server.membership import Membership
 from gradq.server.outer_state import OuterState
@@ -202,8 +202,7 @@ class JobTable:
                     f"state is stale; join as a newcomer to receive the job's",
                     Refusal.NOT_JOINED,
                 )
-            _check_taken(job, spec)
-            pending = spec.role is MemberRole.JOINING
+            pending = spec.role is MemberRole.JOINING or _newcomer(job, spec)
             rank, rejoined = members.place(
                 spec.rank, spec.ranks, self.limits.max_world_size, job.describe, pending, spec.model_signature
             )
@@ -369,23 +368,36 @@ def _elastic_run(job: Job, spec: JobSpec) -> str:
     )
 
 
-def _check_taken(job: Job, spec: JobSpec) -> None:
-    """Refuse a host that holds no state of a run that has trained the id of a member training in it.
+def _newcomer(job: Job, spec: JobSpec) -> bool:
+    """Whether ``spec`` is a host without the state of ``job``'s run joining it: it is then pending (a newcomer).
 
-    Such a host was given the id by a shard that restarted and forgot the run (it started one of its own
-    there); taking the id here would make it that member. Caller holds the lock.
+    A STARTING host of another run holds nothing of a run that has trained (a round completed here, or a
+    member resumed it after this shard restarted), so it may only join as a newcomer, which takes the state
+    first; never as a starting member, whose pushes would count as trained ones. Caller holds the lock.
 
     Raises:
-        FailedPreconditionError: ANOTHER_RUN, naming the member and the run.
+        FailedPreconditionError: ANOTHER_RUN: it brings a member id of the other run (ids are per run: that
+            one may be a member's here, training or still on its way back), or the run is re-forming on this
+            restarted shard (its members are not all back, so no id it could draw is known to be free).
     """
     trained = job.newest_completed_step >= 0 or job.members.resumed
-    if spec.elastic and spec.role is MemberRole.STARTING and trained and spec.rank in job.members.joined:
+    if not spec.elastic or spec.role is not MemberRole.STARTING or spec.incarnation == job.incarnation or not trained:
+        return False
+    members = job.members
+    if spec.rank != ANY_RANK:
         raise FailedPreconditionError(
-            f"member {spec.rank} trains in elastic {job.describe()}, which has trained: a host that holds none of "
-            f"its state cannot take its id (the shard that gave it may have restarted and started a run of its "
-            f"own); join again as a newcomer",
+            f"member {spec.rank} of {describe_incarnation(spec.incarnation)} cannot join elastic {job.describe()}, "
+            f"which has trained: a host that holds none of its state is no member of it (the shard that gave that "
+            f"id may have restarted and started a run of its own); join again as a newcomer",
             Refusal.ANOTHER_RUN,
         )
+    if not members.formed:
+        raise FailedPreconditionError(
+            f"elastic {job.describe()} is re-forming on this restarted aggregator: {len(members.joined)} of its "
+            f"{job.world_size} starting members are back; a newcomer joins once they are (join again shortly)",
+            Refusal.ANOTHER_RUN,
+        )
+    return True
 
 
 def _check_outer_step(job: Job, outer_step: OuterStep | None, semi_sync: SemiSync | None) -> None:

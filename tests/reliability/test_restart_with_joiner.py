@@ -84,4 +84,6 @@ def test_a_standby_joining_while_a_shard_restarts_never_takes_the_job(
     assert len({result["parameters_sha256"] for result in results}) == 1, results
     steps = hosts[0].steps()
     assert max(steps) == STEPS - 1
-    assert results[2]["first_step"] > 20  # the standby joined the job in training, as a newcomer
+    # The standby joined the job in training, as a newcomer: it trained no step of a run of its own (one the
+    # restarted shard may have started with it is dropped at its first push, and it joins again then).
+    assert min(standby.steps()) > 20, sorted(standby.steps())[:5]

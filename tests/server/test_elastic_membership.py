@@ -167,6 +167,53 @@ def test_a_standby_refused_by_a_restarted_first_shards_run_rejoins_as_a_newcomer
     assert (standby.catch_up, standby.incarnation, standby.rank) == (True, first.incarnation, 2)
 
 
+def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_member(
+    start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient]
+) -> None:
+    """One restarted aggregator, the order CI once drew: the standby starts a run of its own there, one
+    survivor takes the shard back, and the standby's next push comes before the other survivor's.
+
+    The standby holds none of the job's state: it must never train as a member (neither under the id its own
+    run gave it, which a survivor owns, nor under a fresh one while the run re-forms), and the survivors'
+    round must average the survivors alone.
+    """
+    group = Shards(start_aggregator, 1)
+    first, second = hosts(group.addresses, "run-a"), hosts(group.addresses, "run-b")
+    first.join()
+    second.join()
+    assert push_all(0, [first, second], [1.0, 3.0]) == [pytest.approx(np.full(8, 2.0))] * 2
+    server = group.restart(0)
+    standby = hosts(group.addresses, "run-c")
+    standby.join()  # the empty shard: a run of its own, in which it starts
+    assert not standby.catch_up and standby.incarnation == "run-c"
+    taken_id = standby.rank
+    survivor = next(host for host in (first, second) if host.rank != taken_id)
+    other = first if survivor is second else second
+
+    survivor_push: Future[list[np.ndarray]] = Future()
+    threading.Thread(target=lambda: _settle(survivor_push, lambda: push_all(1, [survivor], [5.0])), daemon=True).start()
+    wait_until(
+        lambda: (job := server.table.jobs.find("ef", first.incarnation)) is not None and job.members.resumed,
+        "the survivor to take the restarted shard back",
+        10.0,
+    )
+    with pytest.raises(AggregationError) as error:  # its run was replaced; its id is the other survivor's
+        standby.push_pull(1, 0, np.full(4, 100.0, np.float32))
+    assert error.value.refusal == "ANOTHER_RUN"
+    standby.close()
+
+    newcomer = hosts(group.addresses, "run-d", timeout_s=20)
+    joined: Future[None] = Future()
+    threading.Thread(target=lambda: _settle(joined, newcomer.join), daemon=True).start()
+    time.sleep(0.5)
+    assert not joined.done(), "a newcomer waits while the run re-forms: no id it could draw is known to be free"
+    assert push_all(1, [other], [7.0]) == [pytest.approx(np.full(8, 6.0))]  # the survivors alone
+    assert survivor_push.result(timeout=10) == [pytest.approx(np.full(8, 6.0))]
+    joined.result(timeout=20)
+    assert newcomer.catch_up and newcomer.incarnation == first.incarnation
+    assert newcomer.rank not in (first.rank, second.rank)
+
+
 @pytest.mark.parametrize("shards", [1, 2], ids=["one-shard", "two-shards"])
 def test_the_start_quorums_model_is_the_jobs_not_the_first_hosts(
     start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient], shards: int
