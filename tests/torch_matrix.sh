@@ -8,9 +8,11 @@
 # FSDP2 end-to-end tests. The torch-free rest (qcore, server, proto, docs) is the same on every release and runs
 # once, in tests/run.sh.
 # A release written RELEASE:fsdp runs only the FSDP2 tests (the torch floor of use_gradq, when another release
-# already covers the rest).
-# Usage: bash tests/torch_matrix.sh RELEASE[:fsdp]... [-- PYTEST-ARGS]
+# already covers the rest); RELEASE:ddp only the DDP hook's own tests (its floor, in CI's time).
+# Usage: bash tests/torch_matrix.sh RELEASE[:fsdp|:ddp]... [-- PYTEST-ARGS]
 # e.g. `bash tests/torch_matrix.sh 2.3.1 2.8.0:fsdp 2.15.0`: the DDP hook's and DiLoCo's floor, FSDP2's, the newest.
+# CI runs `2.15.0:fsdp 2.3.1:ddp`: the FSDP2 path on the newest release, the DDP hook on its floor (FSDP2s floor,
+# 2.8.0:fsdp, about 6 minutes more, runs by hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,9 +33,14 @@ export PIP_CONSTRAINT="$constraints" PIP_DISABLE_PIP_VERSION_CHECK=1
 failed=()  # the releases whose tests failed: every release runs, then the script fails naming them
 
 for spec in "${releases[@]}"; do
-    release="${spec%:fsdp}"
-    tests=(tests/client tests/test_layers.py)
-    [ "$spec" = "$release" ] || tests=(tests/client/test_fsdp_internals.py tests/client/test_torch_support.py)
+    release="${spec%:*}"
+    mode="${spec#"$release"}"
+    case "$mode" in
+        "") tests=(tests/client tests/test_layers.py) ;;
+        :fsdp) tests=(tests/client/test_fsdp_internals.py tests/client/test_torch_support.py) ;;
+        :ddp) tests=(tests/client/test_ddp_hook.py tests/client/test_ddp_training.py tests/client/test_torch_support.py) ;;
+        *) echo "unknown mode in $spec; expected RELEASE, RELEASE:fsdp or RELEASE:ddp" >&2 && exit 2 ;;
+    esac
     venv=".venv-torch-$release"
     started=$SECONDS
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -53,7 +60,7 @@ print("\n".join(sorted({r for e in extras.values() for r in e if not r.startswit
     echo "== torch $installed ready in $venv after $((SECONDS - started)) s"
     "$venv/bin/python" -m pytest -p no:cacheprovider "${tests[@]}" "$@" || failed+=("$release")
     # The FSDP2 end-to-end tests need the all-reduce hook; below its floor test_torch_support checks the refusal.
-    if "$venv/bin/python" -c 'import sys, torch
+    if [ "$mode" != :ddp ] && "$venv/bin/python" -c 'import sys, torch
 from gradq.client.torch_support import MINIMUM_TORCH, torch_release
 sys.exit(torch_release(torch.__version__) < MINIMUM_TORCH["fsdp"])'; then
         "$venv/bin/python" -m pytest -p no:cacheprovider -m e2e tests/client/test_fsdp.py "$@" || failed+=("$release e2e")
