@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from gradq.client import serde
+from gradq.client.chunks import shard_for
 from gradq.client.elastic import JobWorld, ReceivedState, fetch_state, send_state, world_of
 from gradq.client.sending import AggregationError
 from gradq.proto.v1 import aggregator_pb2 as pb
@@ -255,19 +256,23 @@ class ShardMembership:
 
     # -- the training state ---------------------------------------------------------------------
 
-    def fetch_state(self) -> ReceivedState:
+    def fetch_state(self) -> list[ReceivedState]:
         """A pending elastic member waits (up to ``timeout_s``) for the training state and receives it.
 
+        Returns:
+            What each shard sent, in shard order: a donor's state comes whole through the first shard (the
+            others send nothing); a DiLoCo job's global state comes from every shard, each its own round keys.
+
         Raises:
-            AggregationError: refused, the sender went away, or the deadline passed.
+            AggregationError: refused, the sender went away, the deadline passed, or the shards admitted this
+                member at different steps.
         """
 
         def fetch(shard: int) -> ReceivedState:
             request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
             return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
 
-        # Pending on every shard: the first sends the state, each other one an empty transfer that admits
-        # this member there from the same step (see ``send_state``).
+        # Pending on every shard: each admits this member from the step its transfer names.
         with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
             transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
             received = [transfer.result() for transfer in transfers]
@@ -278,7 +283,7 @@ class ShardMembership:
             )
         self.catch_up = False
         self.received_state = True
-        return received[0]
+        return received
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
         """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
@@ -294,28 +299,34 @@ class ShardMembership:
         header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
         return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
 
+    def shard_of(self, key: int) -> int:
+        """The shard that owns round key ``key`` (gradq.client.chunks.shard_for)."""
+        return shard_for(key, len(self._stubs))
+
     def seed_outer(
         self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
     ) -> tuple[bool, int, bytes, bytes]:
-        """DiLoCo: seed, or check, the aggregator's global state of round key ``key`` as it stands before ``step``.
+        """DiLoCo: seed, or check, the global state of round key ``key`` as it stands before ``step``, on the
+        shard that owns the key (each shard holds the global state of its own keys).
 
         Args:
             step: the outer round the state starts.
-            key: the round key; ``keys``: how many one outer round holds.
+            key: the round key; ``keys``: how many of an outer round's keys that shard owns.
             parameters: float32 global parameters of the key.
             momentum: float32 outer momentum, as many (None: zeros).
 
         Returns:
-            (the aggregator holds exactly these, the outer round its copy starts,
+            (the shard holds exactly these, the outer round its copy starts,
             its parameters and momentum as float32 LE bytes when they differ, else empty).
 
         Raises:
             AggregationError: refused (names why) or unreachable.
         """
+        shard = self.shard_of(key)
         request = serde.outer_seed(
             self.job_id,
             self.rank,
-            self.incarnation,
+            self.incarnations[shard],
             step,
             key,
             keys,
@@ -323,9 +334,9 @@ class ShardMembership:
             b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
         )
         try:
-            answer = self._stubs[0].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
+            answer = self._stubs[shard].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise AggregationError.of_call(self.addresses[0], error) from None
+            raise AggregationError.of_call(self.addresses[shard], error) from None
         return answer.matched, answer.step, answer.parameters, answer.momentum
 
     # -- leaving --------------------------------------------------------------------------------

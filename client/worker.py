@@ -207,8 +207,8 @@ class WorkerClient:
         self._pushes_since_sample = 0
         self._sending = (timeout_s, max_retries, retry_backoff_s, max_in_flight)
         self.push_stream = push_stream
-        # One address of a fixed job may be one shard of a group: ``join`` asks it for the others first.
-        self._discover = len(self.addresses) == 1 and not elastic
+        # One address may be one shard of a group: ``join`` asks it for the others first.
+        self._discover = len(self.addresses) == 1
         self._channels: list[grpc.Channel] = []
         self._open_shards(self.addresses)
 
@@ -247,7 +247,7 @@ class WorkerClient:
     def join(self) -> None:
         """Join the job on every shard, waiting up to ``timeout_s`` for each to come up.
 
-        Given one address (a fixed job), first ask that shard for its group
+        Given one address, first ask that shard for its group
         (gradq.client.discovery): the client then talks to every shard of it,
         in the group's order, and ``addresses`` lists them.
 
@@ -320,8 +320,8 @@ class WorkerClient:
         """Successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator."""
         return self.membership.joins
 
-    def fetch_state(self) -> ReceivedState:
-        """See ``ShardMembership.fetch_state``."""
+    def fetch_state(self) -> list[ReceivedState]:
+        """See ``ShardMembership.fetch_state``: what each shard sent, in shard order."""
         return self.membership.fetch_state()
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
@@ -333,6 +333,10 @@ class WorkerClient:
     ) -> tuple[bool, int, bytes, bytes]:
         """See ``ShardMembership.seed_outer``."""
         return self.membership.seed_outer(step, key, keys, parameters, momentum)
+
+    def shard_of(self, key: int) -> int:
+        """See ``ShardMembership.shard_of``."""
+        return self.membership.shard_of(key)
 
     def _seed_rng(self, rank: int) -> None:
         # Per-rank stream so stochastic rounding is independent across ranks.

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from gradq.client.config import GradqConfig
-from gradq.client.diloco import OUTER_STEP_PLACES, DiLoCo
+from gradq.client.diloco import DEFAULT_BUCKET_ELEMENTS, OUTER_STEP_PLACES, DiLoCo
 
 
 def main() -> None:
@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--quorum", type=int, default=0, help="semi-synchronous: hosts a round needs (0: all)")
     parser.add_argument("--inside", choices=("ddp", "fsdp"), default="ddp", help="a torchrun host's ranks train")
     parser.add_argument("--grace", type=float, default=1.0, help="semi-synchronous: the grace window, seconds")
+    parser.add_argument(
+        "--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="the most elements one round key carries"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # hosts emulated on one machine share its cores
     if "RANK" not in os.environ:  # a single process: a process group of its own
@@ -90,6 +93,7 @@ def main() -> None:
         "outer_step": args.outer_step,
         "quorum": args.quorum,
         "grace_s": args.grace,
+        "bucket_elements": args.bucket_elements,
     }
     with DiLoCo(config, model, inner, **schedule) as diloco:
         if args.resume:

@@ -51,8 +51,11 @@ __all__ = ["KEY_ENTRY_BYTES", "MAX_OUTER_KEYS", "KeyState", "OuterState", "Seede
 
 log = logging.getLogger(__name__)
 
-# The most round keys one outer round may hold: bounds the per-key bookkeeping a client can ask for.
+# The most round keys one outer round may hold on one aggregator: bounds the per-key bookkeeping a client
+# can ask for. The keys themselves are sparse: a bucket's chunks are keyed bucket + chunk * 2^32, and on
+# several shards each holds every shards-th of them (gradq.client.chunks).
 MAX_OUTER_KEYS = 1 << 16
+MAX_ROUND_KEY = (1 << 64) - 1
 
 # What one round key holds beside its arrays' elements: its KeyState, two array headers and their smallest
 # allocations, its entries in ``held`` and ``sizes`` and its int. bench/outer_key_memory.py measured 20,000
@@ -131,8 +134,8 @@ class OuterState:
         """
         if not 1 <= keys <= MAX_OUTER_KEYS:
             raise InvalidArgumentError(f"keys={keys} is invalid; expected 1..{MAX_OUTER_KEYS} round keys per round")
-        if key >= keys:
-            raise InvalidArgumentError(f"key={key} is out of range; expected 0..{keys - 1} (keys={keys})")
+        if key > MAX_ROUND_KEY:
+            raise InvalidArgumentError(f"key={key} is out of range; expected a round key 0..{MAX_ROUND_KEY}")
         if momentum is not None and momentum.size != parameters.size:
             raise InvalidArgumentError(
                 f"momentum holds {momentum.size} elements, parameters {parameters.size}; expected as many "
@@ -148,6 +151,7 @@ class OuterState:
                     f"every host must lay out the same model in the same buckets"
                 )
             _check_size(self.sizes.get(key), key, parameters.size, "seed", describe)
+            _check_room(self.sizes, keys, key, "seed", describe)
             if step < self.newest:  # the job has moved on: this host takes its state when it next pushes
                 return Seeded(False, self.newest, None, 0)
             moved = step > self.newest
@@ -190,14 +194,10 @@ class OuterState:
                 (Refusal.BEHIND) a round to open older than the job's outer round.
             ResourceExhaustedError: the budget cannot hold a new key's entry.
         """
-        if key >= MAX_OUTER_KEYS:
-            raise InvalidArgumentError(f"bucket={key} is out of range; expected 0..{MAX_OUTER_KEYS - 1} round keys")
+        if key > MAX_ROUND_KEY:
+            raise InvalidArgumentError(f"bucket={key} is out of range; expected a round key 0..{MAX_ROUND_KEY}")
         with self.lock:
-            if self.keys and key >= self.keys:
-                raise FailedPreconditionError(
-                    f"bucket={key} is out of range for {describe}, whose outer rounds hold {self.keys} round keys "
-                    f"(fixed by its first seed); expected 0..{self.keys - 1}"
-                )
+            _check_room(self.sizes, self.keys or MAX_OUTER_KEYS, key, "push", describe)
             size = self.sizes.get(key)
             _check_size(size, key, numel, "push", describe)
             if opens and step < self.newest:
@@ -275,6 +275,16 @@ class OuterState:
 
     def _whole_at(self, step: int) -> bool:
         return bool(self.keys) and len(self.held) == self.keys and all(s.step == step for s in self.held.values())
+
+
+def _check_room(sizes: dict[int, int], keys: int, key: int, what: str, describe: str) -> None:
+    """Refuse a new key past the ``keys`` an outer round holds here (the per-key bookkeeping stays bounded)."""
+    if key not in sizes and len(sizes) >= keys:
+        raise FailedPreconditionError(
+            f"a {what} of round key {key} is one too many for {describe}, whose outer rounds hold {keys} round keys "
+            f"on this aggregator (fixed by its first seed), all of them known already; every host must lay out the "
+            f"same model in the same buckets over the same shards"
+        )
 
 
 def _check_size(fixed: int | None, key: int, numel: int, what: str, describe: str) -> None:

@@ -25,6 +25,7 @@ keys; on a host of DDP ranks the ranks hold the same copy and the first seeds.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,11 +132,21 @@ class GlobalState:
             for key, flat in enumerate(self.flat)
             for round_key, begin, end in session.round_keys(key, flat.numel())
         ]
-        if not session.host.sharded or session.host.local_size == 1:
-            return sorted(mine)
-        gathered: list[Any] = [None] * session.host.local_size
-        dist.all_gather_object(gathered, mine, group=session.group)
-        return sorted(entry for rounds in gathered for entry in rounds)
+        if session.host.sharded and session.host.local_size > 1:
+            gathered: list[Any] = [None] * session.host.local_size
+            dist.all_gather_object(gathered, mine, group=session.group)
+            mine = [entry for rounds in gathered for entry in rounds]
+        member = session.member
+        idle = sorted(set(range(member.shards)) - {member.shard_of(round_key) for round_key, *_ in mine})
+        if idle:
+            # Each shard keeps the global state of its own round keys and sends joiners that part: a shard with
+            # none would never reach an outer-round boundary, and a joiner would wait on it forever.
+            raise ValueError(
+                f"an outer round of this model is {len(mine)} round keys over {member.shards} aggregator shards: "
+                f"shard {idle[0]} would hold none of the global state; expected at least a round key per shard "
+                f"(smaller bucket_elements, or fewer shards)"
+            )
+        return sorted(mine)
 
     def seed(self, session: GradqSession, step: int) -> None:
         """Hand the aggregator this host's copy before outer round ``step``; adopt the job's if it differs.
@@ -148,6 +159,7 @@ class GlobalState:
         """
         member, host = session.member, session.host
         rounds = self.round_keys(session)
+        keys_on = Counter(member.shard_of(round_key) for round_key, *_ in rounds)
         if host.sharded or host.local_rank == 0:
             adopted = 0
             for round_key, key, begin, end, owner in rounds:
@@ -158,7 +170,7 @@ class GlobalState:
                     # No momentum yet (before the first outer round) travels as none: half the bytes.
                     step,
                     round_key,
-                    len(rounds),
+                    keys_on[member.shard_of(round_key)],
                     parameters.numpy(),
                     momentum.numpy() if momentum.any() else None,
                 )
@@ -192,13 +204,15 @@ class GlobalState:
             AggregationError: the aggregator refused (the message says why).
         """
         rounds = self.round_keys(session)
+        keys_on = Counter(session.member.shard_of(round_key) for round_key, *_ in rounds)
         mismatched = 0
         for round_key, key, begin, end, owner in rounds:
             if owner != session.host.local_rank:
                 continue
             parameters, momentum = self.flat[key][begin:end], self.momentum[key][begin:end]
+            shard = session.member.shard_of(round_key)
             matched, held_step, _, _ = session.member.seed_outer(
-                step, round_key, len(rounds), parameters.numpy(), momentum.numpy()
+                step, round_key, keys_on[shard], parameters.numpy(), momentum.numpy()
             )
             mismatched += not matched or held_step != step
         if session.host.local_size > 1:  # no rank leaves (for the host) while another still asks
@@ -217,22 +231,27 @@ class GlobalState:
         """
         host = session.host
         rounds = self.round_keys(session)
-        step, data, _ = session.member.fetch()
-        expected = 8 * sum(end - begin for _, _, begin, end, _ in rounds)
-        if len(data) != expected:
-            raise AggregationError(
-                session.member.address(),
-                None,
-                f"the aggregator sent {len(data)} bytes of global state; this model's is {expected} "
-                f"(parameters and momentum, float32)",
-            )
-        values = np.frombuffer(data, dtype="<f4")
-        offset = 0
-        for target in (self.flat, self.momentum):
-            for _, key, begin, end, owner in rounds:
-                if owner == (host.local_rank if host.sharded else 0):
-                    target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
-                offset += end - begin
+        step, shards, _ = session.member.fetch()
+        mine = host.local_rank if host.sharded else 0
+        # Each shard sends the global state of the round keys it owns: their parameters in ascending round-key
+        # order, then their momentum (gradq.server.outer_state.OuterState.snapshot).
+        for shard, data in enumerate(shards):
+            owned = [entry for entry in rounds if session.member.shard_of(entry[0]) == shard]
+            expected = 8 * sum(end - begin for _, _, begin, end, _ in owned)
+            if len(data) != expected:
+                raise AggregationError(
+                    session.member.address(),
+                    None,
+                    f"shard {shard} sent {len(data)} bytes of global state; this model's round keys there hold "
+                    f"{expected} (parameters and momentum, float32)",
+                )
+            values = np.frombuffer(data, dtype="<f4")
+            offset = 0
+            for target in (self.flat, self.momentum):
+                for _, key, begin, end, owner in owned:
+                    if owner == mine:
+                        target[key][begin:end] = torch.from_numpy(values[offset : offset + end - begin].copy())
+                    offset += end - begin
         self.load_into_model()
         self.seeded_joins = session.member.joins
         return step

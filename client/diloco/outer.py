@@ -161,11 +161,6 @@ class DiLoCo:
                 "outer_step='hosts' with an FSDP2 model: its ranks hold shards, which a host-side torch optimizer "
                 "would step apart; use outer_step='aggregator' (the default)"
             )
-        if outer_step == "aggregator" and len(config.addresses) > 1:
-            raise ValueError(
-                f"addresses={list(config.addresses)!r}: the outer step on the aggregator runs on one shard; "
-                f"name one address, or use outer_step='hosts' to average over several"
-            )
         if outer_step == "aggregator" and config.bit_policy == "adaptive":
             raise ValueError(
                 "bit_policy='adaptive' plans new round keys every step; the aggregator's copy of the global "
@@ -278,6 +273,11 @@ class DiLoCo:
             raise ValueError(
                 f"quorum={self.semi_sync[0]}: semi-synchronous rounds take hosts of one process each; this host "
                 f"has {session.host.local_size} ranks"
+            )
+        if self.semi_sync is not None and session.member.shards > 1:
+            raise ValueError(
+                f"quorum={self.semi_sync[0]}: semi-synchronous rounds run on one aggregator; this job has "
+                f"{session.member.shards} shards (a late host would be late on some of them and not on others)"
             )
         if state is None:
             self.outer_round = session.member.receive(self._shared(), self.outer_round)

@@ -87,11 +87,14 @@ class ElasticMember:
 
     # -- taking the state ---------------------------------------------------------------------------
 
-    def fetch(self) -> tuple[int, bytes, int]:
-        """A newcomer waits for the state and receives it: (the step it trains from, the bytes, the sender).
+    def fetch(self) -> tuple[int, list[bytes], int]:
+        """A newcomer waits for the state and receives it: (the step it trains from, each shard's bytes, the sender).
 
-        Collective over the host's ranks: its first rank fetches, the others receive what it got. Whoever
-        sends (a donor host, or the aggregator's copy of a DiLoCo job) is the aggregator's choice.
+        A donor's state comes whole through the first shard (the others send
+        nothing); a DiLoCo job's global state from every shard, each its own
+        round keys. Collective over the host's ranks: its first rank fetches,
+        the others receive what it got. Whoever sends (a donor host, or the
+        aggregator's copy of a DiLoCo job) is the aggregator's choice.
 
         Raises:
             AggregationError: refused, the sender went away, or the deadline passed (on every rank).
@@ -102,8 +105,8 @@ class ElasticMember:
         received: list[Any] = [None]
         if host.local_rank == 0:
             try:
-                state = client.fetch_state()
-                received[0] = (state.step, state.data, state.sender)
+                states = client.fetch_state()
+                received[0] = (states[0].step, [state.data for state in states], states[0].sender)
             except AggregationError as error:  # the host's other ranks must not wait for it forever
                 received[0] = (error.address, error.details)
                 if host.local_size == 1:
@@ -117,6 +120,18 @@ class ElasticMember:
         step, data, sender = received[0]
         return int(step), data, int(sender)
 
+    @property
+    def shards(self) -> int:
+        """The aggregator shards the job's rounds are spread over."""
+        client = self._session.client
+        return len(client.addresses) if client is not None else 0
+
+    def shard_of(self, key: int) -> int:
+        """The shard that owns round key ``key``."""
+        client = self._session.client
+        assert client is not None, "a fallback session has no membership"
+        return client.shard_of(key)
+
     def receive(self, shared: Sequence[Any], step: int) -> int:
         """A newcomer receives a live host's state and loads it into ``shared``; returns the step to train from.
 
@@ -129,7 +144,8 @@ class ElasticMember:
         """
         if not self.joining:
             return step
-        step, data, sender = self.fetch()
+        step, shards, sender = self.fetch()
+        data = b"".join(shards)  # a donor's state comes whole through the first shard
         # weights_only: the bytes come from another host through the aggregator, so no pickled code runs.
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         objects = payload["objects"]

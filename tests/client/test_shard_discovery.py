@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gradq.client.discovery import discover_shards, resolve_group
+from gradq.client.elastic import ANY_RANK
 from gradq.client.sending import AggregationError
 from gradq.client.worker import WorkerClient
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
@@ -56,10 +57,12 @@ def contributions(metrics_port: int, job: str) -> float:
     return float(found[1]) if found else 0.0
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
 def test_a_worker_given_one_address_learns_both_shards_and_trains_rounds_on_each(
-    sharded: tuple[list[int], int],
+    sharded: tuple[list[int], int], elastic: bool
 ) -> None:
     ports, metrics = sharded
+    job = "learned-elastic" if elastic else "learned"
     both = [f"127.0.0.1:{port}" for port in ports]
     rng = np.random.default_rng(0)
     steps = 3
@@ -69,7 +72,9 @@ def test_a_worker_given_one_address_learns_both_shards_and_trains_rounds_on_each
 
     def rank(r: int) -> None:
         # Rank 1 is given the second shard's address: each learns the same group, in shard order.
-        with WorkerClient(both[r], "learned", r, 2, QuantConfig(bits=8), chunk_elements=CHUNK) as client:
+        member = ANY_RANK if elastic else r  # an elastic member takes the id the first shard gives
+        options = {"chunk_elements": CHUNK, "elastic": elastic}
+        with WorkerClient(both[r], job, member, 2, QuantConfig(bits=8), **options) as client:  # type: ignore[arg-type]
             addresses[r] = list(client.addresses)
             means[r] = [client.push_pull(step, 0, values[r, step]) for step in range(steps)]
 
@@ -84,7 +89,7 @@ def test_a_worker_given_one_address_learns_both_shards_and_trains_rounds_on_each
         for r in (0, 1):  # 8-bit pushes, fp32 means: within a step of each channel's grid
             assert np.abs(means[r][step] - expected).max() < 0.05
     # Each shard averaged one chunk of every step, from both ranks.
-    assert [contributions(metrics + shard, "learned") for shard in (0, 1)] == [2 * steps, 2 * steps]
+    assert [contributions(metrics + shard, job) for shard in (0, 1)] == [2 * steps, 2 * steps]
 
 
 def test_a_session_configured_with_one_address_reduces_over_both_shards(

@@ -161,7 +161,7 @@ def test_a_joiner_receives_the_state_relayed_and_trains_from_that_step(host: Hos
     # While it waits, the relay is charged to the job: the aggregator's budget holds it.
     assert server.table.budget.in_use >= RELAY_BYTES
     assert first.send_state(2, 7, state) == len(state)
-    received = fetched.result(timeout=10)
+    (received,) = fetched.result(timeout=10)
     assert (received.data, received.step, received.sender) == (state, 7, 0)
     assert not joiner.catch_up
     assert wait_for_world(second, lambda world: world.size == 3).ranks == 3

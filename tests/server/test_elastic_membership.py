@@ -145,7 +145,7 @@ def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
     wait_for_world(first, lambda world: standby.rank in world.joiners)
     donor = first if first.world is not None and first.world.donor == first.rank else second
     donor.send_state(standby.rank, 2, b"the training state")
-    assert received.result(timeout=20).data == b"the training state"  # type: ignore[attr-defined]
+    assert received.result(timeout=20)[0].data == b"the training state"  # type: ignore[index]
 
     means = push_all(2, [first, second, standby], [1.0, 2.0, 6.0])
     assert all(mean == pytest.approx(np.full(8, 3.0)) for mean in means)  # all three, every shard

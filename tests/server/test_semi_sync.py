@@ -85,7 +85,7 @@ def test_a_round_closes_on_its_quorum_and_the_late_push_is_merged_into_the_next(
     parameters, momentum = start.copy(), np.zeros_like(start)
     take_outer_step(parameters, momentum, ones(1.5), STEP)
     take_outer_step(parameters, momentum, ones(5.0), STEP)
-    received = fetched.result(timeout=5)
+    (received,) = fetched.result(timeout=5)
     assert (received.step, received.sender) == (2, AGGREGATOR_SENDER)
     np.testing.assert_array_equal(np.frombuffer(received.data, dtype="<f4")[:256], parameters)
     # Admitted at round 2: it is a member again; that round needs all three or the quorum and the grace.
