@@ -137,7 +137,7 @@ def measure_gradq(values: np.ndarray, config: QuantConfig, pushes: int, in_fligh
     tensor = encode(values, config)
     request = serde.push_pull_request("push-overhead", 0, 0, 0, tensor)
     # The aggregator answers on the pushers' grid: an encoded mean of the same size.
-    response = result_to_bytes(RoundResult(tensor, contributors=(0, 1), ranks=2))
+    response = result_to_bytes(RoundResult(tensor, contributors=(0, 1), ranks=2), "", 0, 0)
     return cpu, len(request), len(response)
 
 

@@ -67,6 +67,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence  # noqa:
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import TracebackType  # noqa: E402
+from typing import Any  # noqa: E402
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -361,6 +362,20 @@ def serve_floor(world_size: int, bits: int, numel: int, port_file: Path) -> None
 
 async def _serve_floor(world_size: int, answer: bytes, joined: bytes, port_file: Path) -> None:
     waiting: list[asyncio.Future[None]] = []
+    # Each round's answer naming it, built once and written to its W waiters, as gradq's are: (step, bucket) ->
+    # [the bytes, the waiters that took them].
+    rounds: dict[tuple[int, int], list[Any]] = {}
+
+    def round_answer(step: int, bucket: int) -> bytes:
+        entry = rounds.get((step, bucket))
+        if entry is None:
+            named = answer + pb.PushPullResponse(step=step, bucket=bucket).SerializeToString()
+            entry = rounds[(step, bucket)] = [named, 0]
+        entry[1] += 1
+        if entry[1] == world_size:
+            del rounds[(step, bucket)]
+        data: bytes = entry[0]
+        return data
 
     async def push_pull(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         future = asyncio.get_running_loop().create_future()
@@ -375,13 +390,17 @@ async def _serve_floor(world_size: int, answer: bytes, joined: bytes, port_file:
     async def push_pull_stream(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        # As gradq's: a task per push read, answers written as their rounds finish, each naming its sequence.
+        # As gradq's: a task per push read, answers written as their rounds finish, each naming its round (the
+        # same bytes for all its waiters) or, for a client that does not read those, its push's sequence.
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
 
         async def one(request: bytes) -> None:
-            sequence = parse_with_tensor(request, pb.PushPullRequest, "tensor")[0].sequence
+            header = parse_with_tensor(request, pb.PushPullRequest, "tensor")[0]
             await push_pull(request, context)
-            answers.put_nowait(answer + pb.PushPullResponse(sequence=sequence).SerializeToString())
+            if header.round_answers:
+                answers.put_nowait(round_answer(header.step, header.bucket))
+            else:
+                answers.put_nowait(answer + pb.PushPullResponse(sequence=header.sequence).SerializeToString())
 
         async def read() -> None:
             tasks = [asyncio.create_task(one(request)) async for request in requests]
@@ -478,9 +497,10 @@ def join_ranks(channels: Sequence[Sequence[grpc.Channel]]) -> None:
 def push_request(rank: int, shard: int, step: int, tensor: QuantizedArray) -> bytes:
     """Rank ``rank``'s push of ``tensor`` to ``shard`` (bucket key = shard) for ``step``, as the client builds it.
 
-    The step is the push's sequence too: a rank has one push per shard and step.
+    The step is the push's sequence too: a rank has one push per shard and step. Like the client's, the push
+    takes its round's answer, which names the round, as its own (``round_answers``).
     """
-    header = pb.PushPullRequest(job_id=JOB_ID, step=step, bucket=shard, rank=rank, sequence=step)
+    header = pb.PushPullRequest(job_id=JOB_ID, step=step, bucket=shard, rank=rank, sequence=step, round_answers=True)
     return serialize_with_tensor(header, "tensor", tensor)
 
 

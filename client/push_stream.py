@@ -6,10 +6,11 @@ push). Here one bidirectional stream per shard carries them all: the rank's
 threads put requests on the stream's outbox and get back a ``StreamedReply``,
 which reads like the ``grpc.Future`` of a unary call (``code``, ``details``,
 ``result``, ``add_done_callback``), so ``ShardSender`` settles, retries and
-fails pushes the same way over either. Answers come as rounds finish, named
-by the push's ``sequence``; a thread per stream reads them, and one per
-process fails a push whose answer is later than the deadline a unary call
-would have.
+fails pushes the same way over either. Answers come as rounds finish, a
+refusal named by the push's ``sequence``, a mean by its round (the same bytes
+for every waiter of the round, so the aggregator copies no mean per push); a
+thread per stream reads them, and one per process fails a push whose answer
+is later than the deadline a unary call would have.
 When the call ends (the aggregator went away, restarted or stopped), every
 unanswered push gets the call's status and the next push opens a new call.
 """
@@ -100,28 +101,54 @@ class _Call:
     def __init__(self, start: Callable[[Iterator[bytes]], Any]) -> None:
         self.lock = threading.Lock()
         self.ended = False
-        self.unanswered: dict[int, StreamedReply] = {}
+        self.unanswered: dict[int, tuple[StreamedReply, serde.RoundKey]] = {}
+        # Each round's unanswered pushes, oldest first: an answer naming a round (sequence 0) settles the first.
+        self._rounds: dict[serde.RoundKey, list[int]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         # gRPC sends what the iterator yields from a thread of its own; None half-closes the call.
         self.call = start(iter(self._outbox.get, None))
         self._reader = threading.Thread(target=self._read, name="gradq-push-stream", daemon=True)
         self._reader.start()
 
-    def send(self, sequence: int, request: bytes) -> StreamedReply | None:
-        """Queue ``request``; None when the call has ended (open a new one)."""
+    def send(self, sequence: int, round_key: serde.RoundKey, request: bytes) -> StreamedReply | None:
+        """Queue ``request`` (a push to ``round_key``); None when the call has ended (open a new one)."""
         reply = StreamedReply()
         with self.lock:
             if self.ended:
                 return None
-            self.unanswered[sequence] = reply
+            self.unanswered[sequence] = (reply, round_key)
+            self._rounds.setdefault(round_key, []).append(sequence)
         self._outbox.put(request)
         return reply
 
     def forget(self, sequence: int, reply: StreamedReply) -> None:
         """Stop waiting for ``sequence`` (its deadline passed): a late answer is dropped."""
         with self.lock:
-            if self.unanswered.get(sequence) is reply:
-                del self.unanswered[sequence]
+            entry = self.unanswered.get(sequence)
+            if entry is not None and entry[0] is reply:
+                self._take(sequence)
+
+    def _take(self, sequence: int) -> StreamedReply | None:
+        """Remove and return the unanswered push ``sequence`` (None: there is none). Hold ``lock``."""
+        entry = self.unanswered.pop(sequence, None)
+        if entry is None:
+            return None
+        reply, round_key = entry
+        waiting = self._rounds[round_key]
+        waiting.remove(sequence)
+        if not waiting:
+            del self._rounds[round_key]
+        return reply
+
+    def _answered(self, answer: serde.StreamAnswer) -> StreamedReply | None:
+        """The push ``answer`` settles, taken off the unanswered ones; None when none waits for it. Hold ``lock``."""
+        sequence = answer.sequence
+        if sequence == 0:  # a round's mean, the same bytes for all its waiters: its push is the round's oldest
+            waiting = self._rounds.get(answer.round)
+            if not waiting:
+                return None
+            sequence = waiting[0]
+        return self._take(sequence)
 
     def cancel(self) -> None:
         self._outbox.put(None)
@@ -132,11 +159,11 @@ class _Call:
         refusal = ""
         try:
             for data in self.call:
-                sequence, answer_code, answer_details, refusal = serde.stream_answer_of(data)
+                answer = serde.stream_answer_of(data)
                 with self.lock:
-                    reply = self.unanswered.pop(sequence, None)
-                if reply is not None:  # None: answered after its deadline, or not this client's sequence
-                    reply.settle(answer_code, answer_details, data, refusal)
+                    reply = self._answered(answer)
+                if reply is not None:  # None: answered after its deadline, or not this client's push
+                    reply.settle(answer.code, answer.details, data, answer.refusal)
         except grpc.RpcError as error:
             code, details = error.code(), error.details() or ""
             refusal = serde.refusal_of_metadata(error.trailing_metadata())
@@ -146,8 +173,9 @@ class _Call:
         with self.lock:
             self.ended = True
             unanswered, self.unanswered = self.unanswered, {}
+            self._rounds.clear()
         self._outbox.put(None)  # gRPC's sending thread ends too
-        for reply in unanswered.values():
+        for reply, _ in unanswered.values():
             reply.settle(code, details, refusal=refusal)
 
 
@@ -216,25 +244,27 @@ class PushStream:
         """Send one push (a serialized PushPullRequest carrying ``sequence``); its answer settles the reply.
 
         Raises:
-            ValueError: the stream is closed (as a closed channel's calls raise).
+            ValueError: the stream is closed (as a closed channel's calls raise), or ``request`` is no
+                PushPullRequest.
         """
+        round_key = serde.round_of_push(request)
         with self._lock:
             if self._closed:
                 raise ValueError("the push stream is closed")
-            call, reply = self._queue(request, sequence)
+            call, reply = self._queue(request, sequence, round_key)
             deadline = time.monotonic() + self.timeout_s
             self._deadlines[reply] = (deadline, call, sequence)
         _DEADLINES.watch(self, deadline)
         reply.add_done_callback(self._answered)  # outside the lock: it runs here if already answered
         return reply
 
-    def _queue(self, request: bytes, sequence: int) -> tuple[_Call, StreamedReply]:
+    def _queue(self, request: bytes, sequence: int, round_key: serde.RoundKey) -> tuple[_Call, StreamedReply]:
         """Queue the push on the current call, or on a new one if it has ended (hold ``_lock``)."""
         while True:
             if self._call is None or self._call.ended:
                 self._call = _Call(self._open_call)
             call = self._call
-            reply = call.send(sequence, request)
+            reply = call.send(sequence, round_key, request)
             if reply is not None:
                 return call, reply
 

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_from_proto
 from gradq.proto.transport import REFUSAL_METADATA_KEY
 from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.wire import scalar_fields
 from gradq.qcore import QuantizedArray
 from gradq.qcore.outer_step import OuterStep
 
@@ -23,6 +24,9 @@ __all__ = [
     "mean_from_bytes",
     "refusal_name",
     "refusal_of_metadata",
+    "RoundKey",
+    "StreamAnswer",
+    "round_of_push",
     "stream_answer_of",
     "JobSpec",
     "join_request",
@@ -30,6 +34,9 @@ __all__ = [
 ]
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_PUSH_FIELDS = pb.PushPullRequest.DESCRIPTOR.fields_by_name
+_STEP, _BUCKET, _INCARNATION = (_PUSH_FIELDS[name].number for name in ("step", "bucket", "incarnation"))
+_ROUND_FIELDS = frozenset((_STEP, _BUCKET, _INCARNATION))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +158,9 @@ def push_pull_request(
 ) -> bytes:
     """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket.
 
-    ``sequence`` names the push in its answer on a PushPullStream (PushPull ignores it).
+    ``sequence`` names the push in its answer on a PushPullStream (PushPull ignores it); the push also
+    says that its client takes an answer naming its round instead (``round_answers``, see ``StreamAnswer``),
+    which lets the aggregator send every waiter of a round the same bytes.
     """
     request = pb.PushPullRequest(
         job_id=job_id,
@@ -161,14 +170,33 @@ def push_pull_request(
         non_finite=non_finite,
         incarnation=incarnation,
         sequence=sequence,
+        round_answers=True,
     )
     return serialize_with_tensor(request, "tensor", tensor)
 
 
-def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str, str]:
-    """(sequence, status, details, refusal) of a PushPullStream answer; the mean is read by ``mean_from_bytes``.
+# A round as a stream's answers and pushes name it: (step, bucket, incarnation).
+RoundKey = tuple[int, int, str]
 
-    The refusal is the reason's name (``"NOT_JOINED"``, see ``refusal_name``), "" when none was given.
+
+@dataclass(frozen=True, slots=True)
+class StreamAnswer:
+    """What names a PushPullStream answer's push, and how the aggregator settled it.
+
+    An answer names its push by ``sequence``; one with sequence 0 carries a
+    round's mean and answers the oldest unanswered push of ``round`` (the
+    aggregator writes all of a round's waiters the same bytes).
+    """
+
+    sequence: int
+    code: grpc.StatusCode
+    details: str
+    refusal: str  # the reason's name (``"NOT_JOINED"``, see ``refusal_name``), "" when none was given
+    round: RoundKey
+
+
+def stream_answer_of(data: bytes) -> StreamAnswer:
+    """Read a PushPullStream answer's header; the mean is read by ``mean_from_bytes``.
 
     Raises:
         ValueError: the bytes are not a PushPullResponse.
@@ -178,7 +206,27 @@ def stream_answer_of(data: bytes) -> tuple[int, grpc.StatusCode, str, str]:
     except DecodeError as error:
         raise ValueError(f"answer is not a gradq.v1.PushPullResponse: {error}") from None
     code = _STATUS_CODES.get(response.code, grpc.StatusCode.UNKNOWN)
-    return response.sequence, code, response.details, refusal_name(response.refusal)
+    key = (response.step, response.bucket, response.incarnation)
+    return StreamAnswer(response.sequence, code, response.details, refusal_name(response.refusal), key)
+
+
+def round_of_push(request: bytes) -> RoundKey:
+    """The round a serialized PushPullRequest pushes to, as its answer names it: (step, bucket, incarnation).
+
+    Reads only the request's own fields: its tensor is skipped, not parsed.
+
+    Raises:
+        ValueError: the bytes are not a PushPullRequest.
+    """
+    try:
+        fields = scalar_fields(request, _ROUND_FIELDS)
+        step, bucket = fields.get(_STEP, 0), fields.get(_BUCKET, 0)
+        incarnation = fields.get(_INCARNATION, b"")
+        if not isinstance(step, int) or not isinstance(bucket, int) or not isinstance(incarnation, bytes):
+            raise IndexError("a field of the wrong wire type")
+        return step, bucket, incarnation.decode()
+    except (IndexError, UnicodeDecodeError) as error:
+        raise ValueError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
 
 
 def refusal_name(value: int) -> str:

@@ -19,7 +19,7 @@ payload is spliced in, or sliced out, by hand:
 
 from __future__ import annotations
 
-__all__ = ["join_bulk", "split_bulk"]
+__all__ = ["join_bulk", "scalar_fields", "split_bulk"]
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 # protobuf refuses tags and lengths longer than 5 bytes (and above these values);
@@ -99,6 +99,37 @@ def _fields(data: memoryview, begin: int, end: int) -> list[tuple[int, int, int,
             raise IndexError("field runs past the end")
         fields.append((key, start, value_start, position))
     return fields
+
+
+def scalar_fields(data: bytes, numbers: frozenset[int]) -> dict[int, int | bytes]:
+    """The top-level fields ``numbers`` of a serialized message: varints as ints, length-delimited ones as bytes.
+
+    Reads past every other field (a bulk one too) without copying it. A field
+    that occurs more than once keeps its last value, as protobuf's scalar
+    fields do; an absent one is absent from the result.
+
+    Raises:
+        IndexError: the bytes are malformed.
+    """
+    view = memoryview(data)
+    found: dict[int, int | bytes] = {}
+    for key, start, value_start, end in _fields(view, 0, len(data)):
+        number, wire_type = key >> 3, key & 7
+        if number not in numbers:
+            continue
+        if wire_type == _VARINT:
+            found[number] = _varint_after_tag(view, start, end)
+        elif wire_type == _LENGTH_DELIMITED:
+            found[number] = bytes(view[value_start:end])
+        else:
+            raise IndexError(f"field {number} has wire type {wire_type}")
+    return found
+
+
+def _varint_after_tag(data: memoryview, start: int, end: int) -> int:
+    """The value of the varint field whose tag begins at ``start``."""
+    _, position = _read_varint(data, start, end, _MAX_TAG_OR_LENGTH_BYTES)
+    return _read_varint(data, position, end)[0]
 
 
 def split_bulk(data: bytes, nested_field: int, bulk_field: int) -> tuple[bytes, memoryview] | None:

@@ -35,7 +35,8 @@ class RoundCloser:
         jobs: the job table (its lock guards every job's rounds).
         budget: charged for accumulators, then for retained means.
         accumulators: where a finished round's accumulator goes for the next round.
-        package: turns a result into its wire answer, once per round.
+        package: turns a result into its wire answer, once per round, given the round's job
+            incarnation, step and bucket (the answer names its round, so all its waiters share it).
         observer: told about every finished round (metrics).
         outer_boundary: told when a DiLoCo job's global state on the aggregator
             is whole before an outer round (under the round's lock; must not block).
@@ -47,7 +48,7 @@ class RoundCloser:
         jobs: JobTable,
         budget: MemoryBudget,
         accumulators: AccumulatorPool,
-        package: Callable[[RoundResult], bytes] | None,
+        package: Callable[[RoundResult, str, int, int], bytes] | None,
         observer: RoundObserver | None,
         outer_boundary: Callable[[Job, int], None] = lambda job, step: None,
     ) -> None:
@@ -108,7 +109,11 @@ class RoundCloser:
             encoded, tuple(sorted(rnd.contributors)), missing, ranks=rnd.ranks, skipped=bool(rnd.non_finite)
         )
         # Packaged, the wire form is the one copy the round keeps of its mean (for W waiters and retries).
-        rnd.result = replace(result, encoded=None, packaged=self._package(result)) if self._package else result
+        if self._package is not None:
+            packaged = self._package(result, job.incarnation, rnd.step, rnd.bucket)
+            rnd.result = replace(result, encoded=None, packaged=packaged)
+        else:
+            rnd.result = result
         del encoded, result
         log.debug("%s complete over %d ranks", rnd.describe(job.job_id), len(rnd.contributors))
         outcome = "skipped" if rnd.non_finite else "partial" if missing else "completed"

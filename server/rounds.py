@@ -71,9 +71,10 @@ class RoundTable:
     Args:
         policy: deadlines, quorum and return scheme.
         clock: monotonic seconds; tests may pass their own.
-        package: turns a finished round's result into its wire answer, once
-            per round (stored as ``RoundResult.packaged``, which then holds the
-            round's only copy of its mean).
+        package: turns a finished round's result, with its job's incarnation,
+            its step and bucket, into its wire answer, once per round (stored as
+            ``RoundResult.packaged``, which then holds the round's only copy of
+            its mean).
         observer: told about every finished round (metrics).
         limits: step window, caps and the memory budget.
         job_finished: called with a job's id once its last joined rank has left
@@ -84,7 +85,7 @@ class RoundTable:
         self,
         policy: RoundPolicy,
         clock: Callable[[], float] = time.monotonic,
-        package: Callable[[RoundResult], bytes] | None = None,
+        package: Callable[[RoundResult, str, int, int], bytes] | None = None,
         observer: RoundObserver | None = None,
         limits: ServiceLimits | None = None,
         job_finished: Callable[[str], None] | None = None,

@@ -28,6 +28,7 @@ __all__ = [
     "contribution_from_bytes",
     "contribution_from_proto",
     "push_from_bytes",
+    "StreamedPush",
     "streamed_push_from_bytes",
     "streamed_answer",
     "streamed_refusal",
@@ -89,24 +90,38 @@ def contribution_from_bytes(data: bytes) -> Contribution:
     return contribution_from_proto(*push_from_bytes(data))
 
 
-def streamed_push_from_bytes(data: bytes) -> tuple[int, Contribution | InvalidArgumentError]:
-    """A PushPullStream message: its sequence, and its contribution or why a field is invalid.
+@dataclass(frozen=True, slots=True)
+class StreamedPush:
+    """A PushPullStream message: what names its answer, and its contribution or why a field is invalid."""
+
+    sequence: int
+    round_answers: bool  # its client takes the round's shared answer (sequence 0) as this push's
+    parsed: Contribution | InvalidArgumentError
+
+
+def streamed_push_from_bytes(data: bytes) -> StreamedPush:
+    """Parse a PushPullStream message; a field that is invalid is returned, not raised, to answer in-band.
 
     Raises:
         InvalidArgumentError: the bytes are not a PushPullRequest (there is no sequence to answer with).
     """
     request, payload = push_from_bytes(data)
+    parsed: Contribution | InvalidArgumentError
     try:
-        return request.sequence, contribution_from_proto(request, payload)
+        parsed = contribution_from_proto(request, payload)
     except InvalidArgumentError as error:
-        return request.sequence, error
+        parsed = error
+    return StreamedPush(request.sequence, request.round_answers, parsed)
 
 
 def streamed_answer(packaged: bytes, sequence: int) -> bytes:
     """A finished round's PushPullResponse (``packaged``) as the answer to one push of a PushPullStream.
 
-    Concatenated protobuf messages parse as one with the fields of both, so
-    the push's sequence is appended to the bytes every waiter shares.
+    For a client that names its pushes by sequence only (``round_answers``
+    unset): concatenated protobuf messages parse as one with the fields of
+    both, so the push's sequence is appended to a copy of the bytes every
+    waiter shares. A client that sets ``round_answers`` gets ``packaged``
+    itself, which names its round.
     """
     return packaged + pb.PushPullResponse(sequence=sequence).SerializeToString()
 
@@ -122,13 +137,16 @@ def streamed_refusal(sequence: int, code: int, details: str, refusal: int = 0) -
     return response.SerializeToString()
 
 
-def result_to_bytes(result: RoundResult) -> bytes:
-    """The serialized PushPullResponse every waiter of a finished round receives."""
+def result_to_bytes(result: RoundResult, incarnation: str, step: int, bucket: int) -> bytes:
+    """The serialized PushPullResponse every waiter of a finished round receives, naming the round."""
     response = pb.PushPullResponse(
         contributors=result.ranks,
         partial=result.partial,
         missing_ranks=result.missing,
         skipped=result.skipped,
+        step=step,
+        bucket=bucket,
+        incarnation=incarnation,
     )
     return serialize_with_tensor(response, "mean", result.mean)
 

@@ -345,17 +345,19 @@ class AggregatorServicer:
                     self.waiting.release(*left.slot)
 
     async def _streamed_push(self, data: bytes, peer: str, in_round: Callable[[], None]) -> _Streamed:
-        """One PushPullStream push, start to answer: a PushPullResponse naming its sequence, never an exception.
+        """One PushPullStream push, start to answer: a PushPullResponse naming its push, never an exception.
 
         ``in_round`` is called once the push is accumulated into its round. From then on the push's answer,
         its round's mean or a refusal, keeps the push's waiting slot until it is written; a push refused
         before that gives its slot back at once (its job id may be no job's, and is not kept).
         """
         try:
-            sequence, parsed = await _parsed(serde.streamed_push_from_bytes, data)
+            push = await _parsed(serde.streamed_push_from_bytes, data)
         except RoundError as error:  # not a PushPullRequest: no sequence to answer with
             return _Streamed(b"", ending=error)
         del data
+        sequence, round_answers, parsed = push.sequence, push.round_answers, push.parsed
+        del push  # holds the contribution, whose payload must not outlive its accumulation
         slot: list[tuple[str, str]] = []  # the push's waiting slot, once it is in its round
 
         def accumulated(held: tuple[str, str]) -> None:
@@ -367,7 +369,11 @@ class AggregatorServicer:
                 raise parsed
             handed = [parsed]
             del parsed
-            answer = serde.streamed_answer(await self._push(handed, peer, accumulated), sequence)
+            packaged = await self._push(handed, peer, accumulated)
+            # A client that names its pushes' answers by round gets the bytes every waiter of the round shares
+            # (written as they are: no copy of the mean per push); one that names them only by sequence, a copy
+            # with its push's sequence appended.
+            answer = packaged if round_answers else serde.streamed_answer(packaged, sequence)
         except RoundError as error:
             answer = serde.streamed_refusal(sequence, _status_code(error.code), str(error), error.refusal.value)
         except Exception as error:  # a bug: answer as gRPC answers a unary handler's, and keep the stream
@@ -590,9 +596,9 @@ def _grid_of(tensor: QuantizedArray) -> tuple[int, int]:
     return int(tensor.scheme), tensor.bits
 
 
-def package_result(result: RoundResult) -> bytes:
+def package_result(result: RoundResult, incarnation: str, step: int, bucket: int) -> bytes:
     """The serialized PushPullResponse for a finished round (the table calls this once)."""
-    return serde.result_to_bytes(result)
+    return serde.result_to_bytes(result, incarnation, step, bucket)
 
 
 def _as_bytes(response: bytes) -> bytes:

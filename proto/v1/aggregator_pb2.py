@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgradq/proto/v1/aggregator.proto\x12\x08gradq.v1\"\xa9\x01\n\x0fQuantizedTensor\x12 \n\x06scheme\x18\x01 \x01(\x0e\x32\x10.gradq.v1.Scheme\x12\x0c\n\x04\x62its\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x14\n\x0c\x63hannel_size\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x0c\x12\x12\n\nzero_point\x18\x06 \x01(\x0c\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\xa9\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x01(\r\x12\x0f\n\x07\x65lastic\x18\x06 \x01(\x08\x12\x11\n\tjob_ranks\x18\x07 \x01(\r\x12\x13\n\x0bmax_members\x18\x08 \x01(\r\x12\x17\n\x0fmodel_signature\x18\t \x01(\t\x12\'\n\nouter_step\x18\n \x01(\x0b\x32\x13.gradq.v1.OuterStep\x12%\n\tsemi_sync\x18\x0b \x01(\x0b\x32\x12.gradq.v1.SemiSync\x12\"\n\x04role\x18\x0c \x01(\x0e\x32\x14.gradq.v1.MemberRole\"+\n\x08SemiSync\x12\x0e\n\x06quorum\x18\x01 \x01(\r\x12\x0f\n\x07grace_s\x18\x02 \x01(\x02\";\n\tOuterStep\x12\n\n\x02lr\x18\x01 \x01(\x02\x12\x10\n\x08momentum\x18\x02 \x01(\x02\x12\x10\n\x08nesterov\x18\x03 \x01(\x08\"\x8e\x01\n\x0cJoinResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x0e\n\x06joined\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x10\n\x08\x63\x61tch_up\x18\x07 \x01(\x08J\x04\x08\x02\x10\x03R\x0cjoined_ranks\"\xb3\x01\n\x0fPushPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12)\n\x06tensor\x18\x05 \x01(\x0b\x32\x19.gradq.v1.QuantizedTensor\x12\x12\n\nnon_finite\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\"\xdf\x01\n\x10PushPullResponse\x12\'\n\x04mean\x18\x01 \x01(\x0b\x32\x19.gradq.v1.QuantizedTensor\x12\x14\n\x0c\x63ontributors\x18\x02 \x01(\r\x12\x0f\n\x07partial\x18\x03 \x01(\x08\x12\x15\n\rmissing_ranks\x18\x04 \x03(\r\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x07 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x08 \x01(\t\x12\"\n\x07refusal\x18\t \x01(\x0e\x32\x11.gradq.v1.Refusal\"A\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\\\n\nWatchEvent\x12\x0e\n\x06joined\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\r\n\x05ranks\x18\x03 \x01(\r\x12\x0f\n\x07joiners\x18\x04 \x03(\r\x12\r\n\x05\x64onor\x18\x05 \x01(\r\"A\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"A\n\x0cStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x80\x01\n\nStateChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06joiner\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\")\n\x10PutStateResponse\x12\x15\n\rrelayed_bytes\x18\x01 \x01(\x04\"\x8d\x01\n\tOuterSeed\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\x04\x12\x0c\n\x04keys\x18\x06 \x01(\r\x12\x12\n\nparameters\x18\x07 \x01(\x0c\x12\x10\n\x08momentum\x18\x08 \x01(\x0c\"R\n\x0bOuterSeeded\x12\x0f\n\x07matched\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nparameters\x18\x03 \x01(\x0c\x12\x10\n\x08momentum\x18\x04 \x01(\x0c\"\x0f\n\rShardsRequest\"#\n\x0eShardsResponse\x12\x11\n\taddresses\x18\x01 \x03(\t*\xe5\x01\n\x06Scheme\x12\x16\n\x12SCHEME_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEME_FLOAT32\x10\x01\x12\x12\n\x0eSCHEME_FLOAT16\x10\x02\x12\x1c\n\x18SCHEME_PER_TENSOR_AFFINE\x10\x03\x12\x1f\n\x1bSCHEME_PER_TENSOR_SYMMETRIC\x10\x04\x12\x1d\n\x19SCHEME_PER_CHANNEL_AFFINE\x10\x05\x12 \n\x1cSCHEME_PER_CHANNEL_SYMMETRIC\x10\x06\x12\x1b\n\x17SCHEME_PER_CHANNEL_SIGN\x10\x07*\xd5\x01\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x17\n\x13REFUSAL_UNKNOWN_JOB\x10\x01\x12\x16\n\x12REFUSAL_NOT_JOINED\x10\x02\x12\x13\n\x0fREFUSAL_PENDING\x10\x03\x12\x10\n\x0cREFUSAL_LOST\x10\x04\x12\x10\n\x0cREFUSAL_LATE\x10\x05\x12\x17\n\x13REFUSAL_ANOTHER_RUN\x10\x06\x12\x1a\n\x16REFUSAL_MODEL_MISMATCH\x10\x07\x12\x12\n\x0eREFUSAL_BEHIND\x10\x08*Y\n\nMemberRole\x12\x18\n\x14MEMBER_ROLE_STARTING\x10\x00\x12\x17\n\x13MEMBER_ROLE_JOINING\x10\x01\x12\x18\n\x14MEMBER_ROLE_RESUMING\x10\x02\x32\xba\x04\n\nAggregator\x12\x35\n\x04Join\x12\x15.gradq.v1.JoinRequest\x1a\x16.gradq.v1.JoinResponse\x12\x41\n\x08PushPull\x12\x19.gradq.v1.PushPullRequest\x1a\x1a.gradq.v1.PushPullResponse\x12K\n\x0ePushPullStream\x12\x19.gradq.v1.PushPullRequest\x1a\x1a.gradq.v1.PushPullResponse(\x01\x30\x01\x12\x37\n\x05Watch\x12\x16.gradq.v1.WatchRequest\x1a\x14.gradq.v1.WatchEvent0\x01\x12\x38\n\x05Leave\x12\x16.gradq.v1.LeaveRequest\x1a\x17.gradq.v1.LeaveResponse\x12<\n\nFetchState\x12\x16.gradq.v1.StateRequest\x1a\x14.gradq.v1.StateChunk0\x01\x12>\n\x08PutState\x12\x14.gradq.v1.StateChunk\x1a\x1a.gradq.v1.PutStateResponse(\x01\x12\x37\n\tSeedOuter\x12\x13.gradq.v1.OuterSeed\x1a\x15.gradq.v1.OuterSeeded\x12;\n\x06Shards\x12\x17.gradq.v1.ShardsRequest\x1a\x18.gradq.v1.ShardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgradq/proto/v1/aggregator.proto\x12\x08gradq.v1\"\xa9\x01\n\x0fQuantizedTensor\x12 \n\x06scheme\x18\x01 \x01(\x0e\x32\x10.gradq.v1.Scheme\x12\x0c\n\x04\x62its\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x14\n\x0c\x63hannel_size\x18\x04 \x01(\x04\x12\r\n\x05scale\x18\x05 \x01(\x0c\x12\x12\n\nzero_point\x18\x06 \x01(\x0c\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\xa9\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x01(\r\x12\x0f\n\x07\x65lastic\x18\x06 \x01(\x08\x12\x11\n\tjob_ranks\x18\x07 \x01(\r\x12\x13\n\x0bmax_members\x18\x08 \x01(\r\x12\x17\n\x0fmodel_signature\x18\t \x01(\t\x12\'\n\nouter_step\x18\n \x01(\x0b\x32\x13.gradq.v1.OuterStep\x12%\n\tsemi_sync\x18\x0b \x01(\x0b\x32\x12.gradq.v1.SemiSync\x12\"\n\x04role\x18\x0c \x01(\x0e\x32\x14.gradq.v1.MemberRole\"+\n\x08SemiSync\x12\x0e\n\x06quorum\x18\x01 \x01(\r\x12\x0f\n\x07grace_s\x18\x02 \x01(\x02\";\n\tOuterStep\x12\n\n\x02lr\x18\x01 \x01(\x02\x12\x10\n\x08momentum\x18\x02 \x01(\x02\x12\x10\n\x08nesterov\x18\x03 \x01(\x08\"\x8e\x01\n\x0cJoinResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x0e\n\x06joined\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x10\n\x08\x63\x61tch_up\x18\x07 \x01(\x08J\x04\x08\x02\x10\x03R\x0cjoined_ranks\"\xca\x01\n\x0fPushPullRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12)\n\x06tensor\x18\x05 \x01(\x0b\x32\x19.gradq.v1.QuantizedTensor\x12\x12\n\nnon_finite\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\x12\x15\n\rround_answers\x18\t \x01(\x08\"\x92\x02\n\x10PushPullResponse\x12\'\n\x04mean\x18\x01 \x01(\x0b\x32\x19.gradq.v1.QuantizedTensor\x12\x14\n\x0c\x63ontributors\x18\x02 \x01(\r\x12\x0f\n\x07partial\x18\x03 \x01(\x08\x12\x15\n\rmissing_ranks\x18\x04 \x03(\r\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x07 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x08 \x01(\t\x12\"\n\x07refusal\x18\t \x01(\x0e\x32\x11.gradq.v1.Refusal\x12\x0c\n\x04step\x18\n \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x0b \x01(\x04\x12\x13\n\x0bincarnation\x18\x0c \x01(\t\"A\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\\\n\nWatchEvent\x12\x0e\n\x06joined\x18\x01 \x01(\r\x12\x0f\n\x07members\x18\x02 \x03(\r\x12\r\n\x05ranks\x18\x03 \x01(\r\x12\x0f\n\x07joiners\x18\x04 \x03(\r\x12\r\n\x05\x64onor\x18\x05 \x01(\r\"A\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"A\n\x0cStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x80\x01\n\nStateChunk\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06joiner\x18\x04 \x01(\r\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\")\n\x10PutStateResponse\x12\x15\n\rrelayed_bytes\x18\x01 \x01(\x04\"\x8d\x01\n\tOuterSeed\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\x04\x12\x0c\n\x04keys\x18\x06 \x01(\r\x12\x12\n\nparameters\x18\x07 \x01(\x0c\x12\x10\n\x08momentum\x18\x08 \x01(\x0c\"R\n\x0bOuterSeeded\x12\x0f\n\x07matched\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nparameters\x18\x03 \x01(\x0c\x12\x10\n\x08momentum\x18\x04 \x01(\x0c\"\x0f\n\rShardsRequest\"#\n\x0eShardsResponse\x12\x11\n\taddresses\x18\x01 \x03(\t*\xe5\x01\n\x06Scheme\x12\x16\n\x12SCHEME_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEME_FLOAT32\x10\x01\x12\x12\n\x0eSCHEME_FLOAT16\x10\x02\x12\x1c\n\x18SCHEME_PER_TENSOR_AFFINE\x10\x03\x12\x1f\n\x1bSCHEME_PER_TENSOR_SYMMETRIC\x10\x04\x12\x1d\n\x19SCHEME_PER_CHANNEL_AFFINE\x10\x05\x12 \n\x1cSCHEME_PER_CHANNEL_SYMMETRIC\x10\x06\x12\x1b\n\x17SCHEME_PER_CHANNEL_SIGN\x10\x07*\xd5\x01\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x17\n\x13REFUSAL_UNKNOWN_JOB\x10\x01\x12\x16\n\x12REFUSAL_NOT_JOINED\x10\x02\x12\x13\n\x0fREFUSAL_PENDING\x10\x03\x12\x10\n\x0cREFUSAL_LOST\x10\x04\x12\x10\n\x0cREFUSAL_LATE\x10\x05\x12\x17\n\x13REFUSAL_ANOTHER_RUN\x10\x06\x12\x1a\n\x16REFUSAL_MODEL_MISMATCH\x10\x07\x12\x12\n\x0eREFUSAL_BEHIND\x10\x08*Y\n\nMemberRole\x12\x18\n\x14MEMBER_ROLE_STARTING\x10\x00\x12\x17\n\x13MEMBER_ROLE_JOINING\x10\x01\x12\x18\n\x14MEMBER_ROLE_RESUMING\x10\x02\x32\xba\x04\n\nAggregator\x12\x35\n\x04Join\x12\x15.gradq.v1.JoinRequest\x1a\x16.gradq.v1.JoinResponse\x12\x41\n\x08PushPull\x12\x19.gradq.v1.PushPullRequest\x1a\x1a.gradq.v1.PushPullResponse\x12K\n\x0ePushPullStream\x12\x19.gradq.v1.PushPullRequest\x1a\x1a.gradq.v1.PushPullResponse(\x01\x30\x01\x12\x37\n\x05Watch\x12\x16.gradq.v1.WatchRequest\x1a\x14.gradq.v1.WatchEvent0\x01\x12\x38\n\x05Leave\x12\x16.gradq.v1.LeaveRequest\x1a\x17.gradq.v1.LeaveResponse\x12<\n\nFetchState\x12\x16.gradq.v1.StateRequest\x1a\x14.gradq.v1.StateChunk0\x01\x12>\n\x08PutState\x12\x14.gradq.v1.StateChunk\x1a\x1a.gradq.v1.PutStateResponse(\x01\x12\x37\n\tSeedOuter\x12\x13.gradq.v1.OuterSeed\x1a\x15.gradq.v1.OuterSeeded\x12;\n\x06Shards\x12\x17.gradq.v1.ShardsRequest\x1a\x18.gradq.v1.ShardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradq.proto.v1.aggregator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SCHEME']._serialized_start=1945
-  _globals['_SCHEME']._serialized_end=2174
-  _globals['_REFUSAL']._serialized_start=2177
-  _globals['_REFUSAL']._serialized_end=2390
-  _globals['_MEMBERROLE']._serialized_start=2392
-  _globals['_MEMBERROLE']._serialized_end=2481
+  _globals['_SCHEME']._serialized_start=2019
+  _globals['_SCHEME']._serialized_end=2248
+  _globals['_REFUSAL']._serialized_start=2251
+  _globals['_REFUSAL']._serialized_end=2464
+  _globals['_MEMBERROLE']._serialized_start=2466
+  _globals['_MEMBERROLE']._serialized_end=2555
   _globals['_QUANTIZEDTENSOR']._serialized_start=46
   _globals['_QUANTIZEDTENSOR']._serialized_end=215
   _globals['_JOINREQUEST']._serialized_start=218
@@ -48,31 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=624
   _globals['_JOINRESPONSE']._serialized_end=766
   _globals['_PUSHPULLREQUEST']._serialized_start=769
-  _globals['_PUSHPULLREQUEST']._serialized_end=948
-  _globals['_PUSHPULLRESPONSE']._serialized_start=951
-  _globals['_PUSHPULLRESPONSE']._serialized_end=1174
-  _globals['_WATCHREQUEST']._serialized_start=1176
-  _globals['_WATCHREQUEST']._serialized_end=1241
-  _globals['_WATCHEVENT']._serialized_start=1243
-  _globals['_WATCHEVENT']._serialized_end=1335
-  _globals['_LEAVEREQUEST']._serialized_start=1337
-  _globals['_LEAVEREQUEST']._serialized_end=1402
-  _globals['_LEAVERESPONSE']._serialized_start=1404
-  _globals['_LEAVERESPONSE']._serialized_end=1419
-  _globals['_STATEREQUEST']._serialized_start=1421
-  _globals['_STATEREQUEST']._serialized_end=1486
-  _globals['_STATECHUNK']._serialized_start=1489
-  _globals['_STATECHUNK']._serialized_end=1617
-  _globals['_PUTSTATERESPONSE']._serialized_start=1619
-  _globals['_PUTSTATERESPONSE']._serialized_end=1660
-  _globals['_OUTERSEED']._serialized_start=1663
-  _globals['_OUTERSEED']._serialized_end=1804
-  _globals['_OUTERSEEDED']._serialized_start=1806
-  _globals['_OUTERSEEDED']._serialized_end=1888
-  _globals['_SHARDSREQUEST']._serialized_start=1890
-  _globals['_SHARDSREQUEST']._serialized_end=1905
-  _globals['_SHARDSRESPONSE']._serialized_start=1907
-  _globals['_SHARDSRESPONSE']._serialized_end=1942
-  _globals['_AGGREGATOR']._serialized_start=2484
-  _globals['_AGGREGATOR']._serialized_end=3054
+  _globals['_PUSHPULLREQUEST']._serialized_end=971
+  _globals['_PUSHPULLRESPONSE']._serialized_start=974
+  _globals['_PUSHPULLRESPONSE']._serialized_end=1248
+  _globals['_WATCHREQUEST']._serialized_start=1250
+  _globals['_WATCHREQUEST']._serialized_end=1315
+  _globals['_WATCHEVENT']._serialized_start=1317
+  _globals['_WATCHEVENT']._serialized_end=1409
+  _globals['_LEAVEREQUEST']._serialized_start=1411
+  _globals['_LEAVEREQUEST']._serialized_end=1476
+  _globals['_LEAVERESPONSE']._serialized_start=1478
+  _globals['_LEAVERESPONSE']._serialized_end=1493
+  _globals['_STATEREQUEST']._serialized_start=1495
+  _globals['_STATEREQUEST']._serialized_end=1560
+  _globals['_STATECHUNK']._serialized_start=1563
+  _globals['_STATECHUNK']._serialized_end=1691
+  _globals['_PUTSTATERESPONSE']._serialized_start=1693
+  _globals['_PUTSTATERESPONSE']._serialized_end=1734
+  _globals['_OUTERSEED']._serialized_start=1737
+  _globals['_OUTERSEED']._serialized_end=1878
+  _globals['_OUTERSEEDED']._serialized_start=1880
+  _globals['_OUTERSEEDED']._serialized_end=1962
+  _globals['_SHARDSREQUEST']._serialized_start=1964
+  _globals['_SHARDSREQUEST']._serialized_end=1979
+  _globals['_SHARDSRESPONSE']._serialized_start=1981
+  _globals['_SHARDSRESPONSE']._serialized_end=2016
+  _globals['_AGGREGATOR']._serialized_start=2558
+  _globals['_AGGREGATOR']._serialized_end=3128
 # @@protoc_insertion_point(module_scope)

@@ -139,7 +139,7 @@ class JoinResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation", "sequence")
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation", "sequence", "round_answers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class PushPullRequest(_message.Message):
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     bucket: int
@@ -156,10 +157,11 @@ class PushPullRequest(_message.Message):
     non_finite: bool
     incarnation: str
     sequence: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    round_answers: bool
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., round_answers: _Optional[bool] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details", "refusal")
+    __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details", "refusal", "step", "bucket", "incarnation")
     MEAN_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,9 @@ class PushPullResponse(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     mean: QuantizedTensor
     contributors: int
     partial: bool
@@ -178,7 +183,10 @@ class PushPullResponse(_message.Message):
     code: int
     details: str
     refusal: Refusal
-    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., refusal: _Optional[_Union[Refusal, str]] = ...) -> None: ...
+    step: int
+    bucket: int
+    incarnation: str
+    def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., refusal: _Optional[_Union[Refusal, str]] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation")

@@ -1,17 +1,22 @@
-"""The client's pushes on a PushPullStream against real aggregators: the same means, deadlines, close, old servers."""
+"""The client's pushes on a PushPullStream: against real aggregators the same means, deadlines, close, old servers;
+against a scripted call, which push each answer settles (by its sequence, or by its round)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
-from gradq.client import AggregationError, WorkerClient
-from gradq.client.push_stream import PushStream
+from gradq.client import AggregationError, WorkerClient, serde
+from gradq.client.push_stream import PushStream, StreamedReply
 from gradq.client.sending import UnaryPushes
-from gradq.qcore import QuantConfig, Scheme
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server import servicer
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -97,3 +102,83 @@ def test_an_aggregator_without_push_stream_gets_unary_calls(monkeypatch: pytest.
             assert isinstance(client._sender.transports[0], UnaryPushes)
     finally:
         old.stop()
+
+
+class _ScriptedCall:
+    """A PushPullStream call whose answers the test writes: iterating it yields them until ``end``."""
+
+    def __init__(self, requests: Iterator[bytes]) -> None:
+        self.requests = requests
+        self._answers: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def answer(self, data: bytes) -> None:
+        self._answers.put(data)
+
+    def end(self) -> None:
+        self._answers.put(None)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._answers.get, None)
+
+    def cancel(self) -> None:
+        self.end()
+
+
+def _scripted(timeout_s: float) -> tuple[PushStream, list[_ScriptedCall]]:
+    """A PushStream whose calls are scripted; the list holds each call it opened."""
+    calls: list[_ScriptedCall] = []
+
+    def start(requests: Iterator[bytes]) -> _ScriptedCall:
+        calls.append(_ScriptedCall(requests))
+        return calls[-1]
+
+    return PushStream(start, timeout_s), calls
+
+
+def _push(step: int, bucket: int, sequence: int, incarnation: str = "run") -> bytes:
+    tensor = encode(np.zeros(4, np.float32), QuantConfig(scheme=Scheme.FLOAT32))
+    return serde.push_pull_request("job", step, bucket, 0, tensor, incarnation=incarnation, sequence=sequence)
+
+
+def _round_answer(step: int, bucket: int, incarnation: str = "run") -> bytes:
+    return pb.PushPullResponse(step=step, bucket=bucket, incarnation=incarnation, contributors=2).SerializeToString()
+
+
+def test_a_rounds_shared_answer_settles_its_oldest_unanswered_push_and_a_sequence_names_its_own() -> None:
+    stream, calls = _scripted(timeout_s=30)
+    first, second, other = (stream.send(_push(*push), push[2]) for push in ((5, 0, 1), (5, 0, 2), (5, 1, 3)))
+    call = calls[0]
+    call.answer(_round_answer(5, 1))
+    call.answer(_round_answer(5, 0))
+    call.answer(pb.PushPullResponse(sequence=2, code=grpc.StatusCode.ABORTED.value[0]).SerializeToString())
+    for reply in (first, second, other):
+        _wait_settled(reply)
+    assert (first.code(), other.code()) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
+    assert second.code() == grpc.StatusCode.ABORTED
+    assert first.result() == _round_answer(5, 0) and other.result() == _round_answer(5, 1)
+    # An answer naming a round this client has no unanswered push of (another run's) settles nothing.
+    late = stream.send(_push(6, 0, 4), 4)
+    call.answer(_round_answer(6, 0, incarnation="an older run"))
+    call.answer(_round_answer(6, 0))
+    _wait_settled(late)
+    assert late.code() == grpc.StatusCode.OK
+    stream.close()
+
+
+def test_a_push_past_its_deadline_is_forgotten_by_its_round() -> None:
+    stream, calls = _scripted(timeout_s=0.2)
+    expired = stream.send(_push(7, 0, 1), 1)
+    _wait_settled(expired)
+    assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stream.timeout_s = 30
+    resent = stream.send(_push(7, 0, 2), 2)
+    calls[0].answer(_round_answer(7, 0))  # the round's answer: the resent push is its only unanswered one
+    _wait_settled(resent)
+    assert resent.code() == grpc.StatusCode.OK and resent.result() == _round_answer(7, 0)
+    stream.close()
+
+
+def _wait_settled(reply: StreamedReply) -> None:
+    settled = threading.Event()
+    reply.add_done_callback(lambda _: settled.set())
+    assert settled.wait(10), "the push was not settled"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gradq.proto.convert import parse_with_tensor, serialize_with_tensor, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.proto.wire import split_bulk
+from gradq.proto.wire import scalar_fields, split_bulk
 from gradq.qcore import QuantConfig, Scheme, encode
 
 PAYLOAD = pb.QuantizedTensor.DESCRIPTOR.fields_by_name["payload"].number
@@ -102,3 +102,29 @@ def test_a_tensor_already_set_is_refused_rather_than_merged() -> None:
     tensor = encode(np.ones(8, np.float32), QuantConfig(bits=8))
     with pytest.raises(ValueError, match="tensor is already set on the PushPullRequest"):
         serialize_with_tensor(pb.PushPullRequest(tensor=pb.QuantizedTensor(bits=8)), "tensor", tensor)
+
+
+@settings(max_examples=100, deadline=None)
+@given(fields=requests, incarnation=st.text(max_size=40), numel=st.integers(0, 3000))
+def test_scalar_fields_read_what_protobuf_reads_past_the_tensor(
+    fields: dict[str, Any], incarnation: str, numel: int
+) -> None:
+    tensor = encode(np.ones(numel, np.float32), QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=4))
+    data = serialize_with_tensor(pb.PushPullRequest(**fields, incarnation=incarnation), "tensor", tensor)
+    numbers = {name: pb.PushPullRequest.DESCRIPTOR.fields_by_name[name].number for name in ("step", "incarnation")}
+    found = scalar_fields(data, frozenset(numbers.values()))
+    parsed = pb.PushPullRequest.FromString(data)
+    assert found.get(numbers["step"], 0) == parsed.step
+    assert found.get(numbers["incarnation"], b"") == parsed.incarnation.encode()
+
+
+def test_a_repeated_scalar_field_keeps_its_last_value_as_protobuf_does() -> None:
+    data = pb.PushPullRequest(step=1).SerializeToString() + pb.PushPullRequest(step=2**40).SerializeToString()
+    assert pb.PushPullRequest.FromString(data).step == 2**40
+    assert scalar_fields(data, frozenset({2})) == {2: 2**40}
+
+
+@pytest.mark.parametrize("data", [b"\x10", b"\x3a\x05ab", b"\x15\x00\x00\x00\x00"])
+def test_truncated_or_mistyped_fields_raise(data: bytes) -> None:
+    with pytest.raises(IndexError):
+        scalar_fields(data, frozenset({2, 7}))

@@ -98,6 +98,32 @@ def test_each_push_is_answered_by_sequence_as_its_round_finishes(
     assert aggregator.servicer.waiting.count == 0
 
 
+def test_a_push_that_takes_round_answers_gets_the_bytes_every_waiter_of_its_round_shares(
+    aggregator: AggregatorServer, stub_for: Callable[[AggregatorServer], Stub]
+) -> None:
+    stub = stub_for(aggregator)
+    join(stub, 3)
+    streams, calls = [], []
+    with grpc.insecure_channel(f"127.0.0.1:{aggregator.port}") as channel:
+        raw = channel.stream_stream("/gradq.v1.Aggregator/PushPullStream")  # bytes both ways
+        for rank in range(2):
+            push = request(rank, (A, B)[rank], bucket=4, sequence=rank + 1)
+            push.round_answers = True
+            streams.append(queue.SimpleQueue[bytes | None]())
+            streams[-1].put(push.SerializeToString())
+            calls.append(raw(iter(streams[-1].get, None), timeout=30))
+        unary = channel.unary_unary("/gradq.v1.Aggregator/PushPull")(request(2, A, bucket=4).SerializeToString())
+        answers = [next(iter(call)) for call in calls]
+        for outbox in streams:
+            outbox.put(None)
+    # No sequence: the round's own bytes, naming the round, the same for both and for the unary call.
+    assert answers[0] == answers[1] == unary
+    shared = pb.PushPullResponse.FromString(answers[0])
+    assert (shared.sequence, shared.code, shared.step, shared.bucket, shared.incarnation) == (0, 0, 0, 4, "")
+    assert shared.contributors == 3 and mean_of(shared).shape == A.shape
+    wait_until(lambda: aggregator.servicer.waiting.count == 0, "the answered pushes' waiting slots given back")
+
+
 def test_a_refused_push_is_answered_in_band_and_the_stream_goes_on(
     aggregator: AggregatorServer, stub_for: Callable[[AggregatorServer], Stub]
 ) -> None:
