@@ -80,6 +80,8 @@ class ShardMembership:
         self.incarnations = [incarnation]
         self.joined: list[bool] = []  # per shard: joined, so a push may go there without a Join first
         self._watches: list[Any] = []  # per shard: the Watch held open while joined
+        self._watched_servers: list[str] = []  # per shard: the server process (JoinResponse.server_id) it watches
+        self._watch_lock = threading.Lock()  # two pushes' retries may rejoin one shard at once
 
     def attach(self, addresses: list[str], stubs: list[Any]) -> None:
         """The shards, in order (again after discovery learned the group): none is joined yet."""
@@ -87,6 +89,7 @@ class ShardMembership:
         self.incarnations = [self.incarnations[0]] * len(addresses)
         self.joined = [False] * len(addresses)
         self._watches = [None] * len(addresses)
+        self._watched_servers = [""] * len(addresses)
 
     @property
     def incarnation(self) -> str:
@@ -182,7 +185,7 @@ class ShardMembership:
             self.incarnations[shard] = response.incarnation
         self.joined[shard] = True
         self.joins += 1
-        self._watch(shard)
+        self._watch(shard, response.server_id)
 
     def counted_lost(self, refusal: str) -> bool:
         """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
@@ -190,20 +193,29 @@ class ShardMembership:
 
     # -- watching -------------------------------------------------------------------------------
 
-    def _watch(self, shard: int) -> None:
-        """Hold a Watch open on ``shard``: if this process dies, the stream's end tells the aggregator at once.
+    def _watch(self, shard: int, server_id: str) -> None:
+        """Hold a Watch open on ``shard`` (the server process ``server_id``): if this process dies, the
+        stream's end tells the aggregator at once.
 
         Never read but on the first shard of an elastic job (its membership news): the call stays open
         until ``leave`` cancels it (after the Leave, so the aggregator does not take it for a loss) or the
-        process ends.
+        process ends. A call nobody reads never learns that its server went away (gRPC delivers a stream's
+        status after its messages), so a Watch opened against another server process (the shard restarted)
+        is replaced, never trusted: the new process would otherwise watch nothing of this member, and its
+        rounds would wait for a host that died until their deadline.
         """
-        watching = self._watches[shard]
-        if watching is not None and not watching.done():
-            return
-        request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
-        call = self._stubs[shard].Watch(request, metadata=self._metadata)
+        with self._watch_lock:
+            watching = self._watches[shard]
+            if watching is not None and self._watched_servers[shard] != server_id:
+                self._watches[shard] = None  # first: its end is not this shard's news
+                watching.cancel()
+                watching = None
+            if watching is not None and not watching.done():
+                return
+            request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
+            call = self._stubs[shard].Watch(request, metadata=self._metadata)
+            self._watches[shard], self._watched_servers[shard] = call, server_id
         call.add_done_callback(lambda done: self._watch_ended(shard, done))
-        self._watches[shard] = call
         if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
             threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
 
