@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--quorum", type=int, default=0, help="semi-synchronous: hosts a round needs (0: all)")
     parser.add_argument("--inside", choices=("ddp", "fsdp"), default="ddp", help="a torchrun host's ranks train")
     parser.add_argument("--grace", type=float, default=1.0, help="semi-synchronous: the grace window, seconds")
+    parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo: fragments synced apart")
+    parser.add_argument("--fragment-delay", type=int, default=0, help="inner steps a fragment's round is in flight")
+    parser.add_argument("--fragment-alpha", type=float, default=0.0, help="own share kept where an update lands")
     parser.add_argument(
         "--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="the most elements one round key carries"
     )
@@ -94,6 +97,9 @@ def main() -> None:
         "quorum": args.quorum,
         "grace_s": args.grace,
         "bucket_elements": args.bucket_elements,
+        "fragments": args.fragments,
+        "fragment_sync_delay": args.fragment_delay,
+        "fragment_update_alpha": args.fragment_alpha,
     }
     with DiLoCo(config, model, inner, **schedule) as diloco:
         if args.resume:

@@ -113,10 +113,18 @@ class GlobalState:
         take_outer_step(self.flat[key].numpy(), self.momentum[key].numpy(), mean.float().cpu().numpy(), self.step)
 
     @torch.no_grad()
-    def load_into_model(self) -> None:
-        """Every host starts the next inner steps from the global parameters."""
-        for param, view in zip(self.parameters, self.views, strict=True):
-            param.copy_(view)
+    def load_into_model(self, keys: Sequence[int] | None = None, alpha: float = 0.0) -> None:
+        """Every host starts the next inner steps from the global parameters (of round keys ``keys``; None: all).
+
+        ``alpha`` > 0 keeps that share of the host's own parameters (Streaming DiLoCo's mixing).
+        """
+        indices = range(len(self.parameters)) if keys is None else [i for k in keys for i in range(*self.buckets[k])]
+        for index in indices:
+            param, view = self.parameters[index], self.views[index]
+            if alpha:
+                param.copy_(view.to(param.dtype).lerp(param, alpha))
+            else:
+                param.copy_(view)
 
     # -- the aggregator's copy --------------------------------------------------------------------
 

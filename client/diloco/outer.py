@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradq.client.config import GradqConfig
+from gradq.client.diloco.fragments import FragmentSchedule, split_buckets
 from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
@@ -120,6 +121,13 @@ class DiLoCo:
             into the next round, then takes the global state at the next
             boundary and trains on from it (``late_rounds`` counts these).
         grace_s: the grace window of a semi-synchronous round, seconds.
+        fragments: Streaming DiLoCo (gradq.client.diloco.fragments): the round
+            keys cut into this many fragments, each synced at its own inner step
+            of every outer round; 1 (the default) syncs them all at once.
+        fragment_sync_delay: inner steps a fragment's round stays in flight while
+            the host trains on, before its update lands (below sync_every / fragments).
+        fragment_update_alpha: where a fragment's update lands, the host keeps
+            this share of its own parameters (0: it takes the global ones).
     """
 
     def __init__(
@@ -134,6 +142,9 @@ class DiLoCo:
         outer_step: str = "aggregator",
         quorum: int = 0,
         grace_s: float = 1.0,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         require_torch("diloco")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -186,6 +197,10 @@ class DiLoCo:
         self.session: GradqSession | None = None
         self.rejoins = 0  # times this host was dropped and joined again
         self.semi_sync = (quorum, float(grace_s)) if quorum else None
+        self.schedule = FragmentSchedule(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
+        sizes = [sum(param.numel() for param in self.parameters[begin:end]) for begin, end in self.buckets]
+        self.fragment_keys = split_buckets(sizes, fragments)  # the round keys of each fragment
+        self._in_flight: tuple[int, list[Any]] | None = None  # a fragment whose round started, and its pushes
         self.late_rounds = 0  # semi-synchronous: rounds this host was late for (merged, then it took the state)
         self._hook: Any = None
 
@@ -300,8 +315,24 @@ class DiLoCo:
 
     def _after_inner_step(self, *_: Any) -> None:
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        if self.schedule.fragments == 1:
+            if self.inner_steps % self.sync_every == 0:
+                self.sync()
+            return
+        try:
+            started = self.schedule.starts(self.inner_steps)
+            if started is not None:
+                self._in_flight = (started, self._start(self.fragment_keys[started]))
+            landed = self.schedule.lands(self.inner_steps)
+            if landed is not None and self._in_flight is not None:
+                fragment, pushed = self._in_flight
+                self._in_flight = None
+                self._land(self.fragment_keys[fragment], pushed, last=fragment == self.schedule.fragments - 1)
+        except AggregationError as error:
+            self._in_flight = None
+            if not dropped_from_job(error):
+                raise
+            self._rejoin(error)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -312,22 +343,34 @@ class DiLoCo:
 
         Raises:
             AggregationError: the round failed (the message names it and why).
+            RuntimeError: with fragments, whose rounds follow the schedule alone.
         """
+        if self.schedule.fragments > 1:
+            raise RuntimeError(
+                f"sync() runs every round key at once; with fragments={self.schedule.fragments} each fragment's "
+                f"round runs at its own inner step"
+            )
         try:
-            self._round()
+            every = list(range(len(self.buckets)))
+            self._land(every, self._start(every), last=True)
         except AggregationError as error:
             if not dropped_from_job(error):
                 raise
             self._rejoin(error)
 
-    def _round(self) -> None:
-        if self.on_aggregator is not None:
-            self._round_on_aggregator(self.on_aggregator)
-            return
-        session = self._connected()
+    @torch.no_grad()
+    def _start(self, keys: Sequence[int]) -> list[Any]:
+        """Push the pseudo-gradients of round keys ``keys`` for this outer round; returns their futures."""
+        session, state = self._connected(), self.on_aggregator
         step = self.outer_round
-        means = []
-        for key, (begin, end) in enumerate(self.buckets):
+        pushed = []
+        for key in keys:
+            begin, end = self.buckets[key]
+            if state is not None:
+                # The tensors this rank holds (an FSDP2 rank's local shards): its error feedback follows them.
+                pseudo = state.pseudo_gradient(key)
+                pushed.append(session.reduce(pseudo, step, key, parameters=state.parameters[begin:end]))
+                continue
             params = self.parameters[begin:end]
             pseudo = torch.cat(
                 [
@@ -335,32 +378,55 @@ class DiLoCo:
                     for param, start in zip(params, self.global_parameters[begin:end], strict=True)
                 ]
             )
-            means.append((begin, end, session.reduce(pseudo, step, key, parameters=params)))
+            pushed.append(session.reduce(pseudo, step, key, parameters=params))
         session.end_step()
-        for begin, end, future in means:  # every bucket is in flight before the first wait
-            mean, offset = future.wait(), 0
+        return pushed
+
+    @torch.no_grad()
+    def _land(self, keys: Sequence[int], pushed: Sequence[Any], last: bool) -> None:
+        """Take round keys ``keys``' means (the futures ``pushed``) into the global parameters and the model.
+
+        ``last``: this completes the outer round (every fragment has landed).
+        """
+        if self.on_aggregator is not None:
+            self._land_on_aggregator(self.on_aggregator, keys, pushed, last)
+            return
+        session, alpha = self._connected(), self.schedule.alpha
+        means = [future.wait() for future in pushed]  # every bucket is in flight before the first wait
+        landed = [index for key in keys for index in range(*self.buckets[key])]
+        # The other fragments' parameters hold this host's own inner gradients: the outer optimizer must not
+        # see them (its momentum would differ between hosts), so they sit out this step and come back after.
+        others = {index: self.parameters[index].grad for index in set(range(len(self.parameters))) - set(landed)}
+        for index in others:
+            self.parameters[index].grad = None
+        own: list[torch.Tensor] = []
+        for key, mean in zip(keys, means, strict=True):
+            begin, end = self.buckets[key]
+            offset = 0
             for param, start in zip(self.parameters[begin:end], self.global_parameters[begin:end], strict=True):
+                if alpha:
+                    own.append(param.detach().clone())
                 param.copy_(start)  # back to where every host started
                 param.grad = mean[offset : offset + param.numel()].view_as(param).to(param.dtype)
                 offset += param.numel()
-        self.outer_optimizer.step()
+        self.outer_optimizer.step()  # the parameters without a gradient (other fragments') stay as they are
         self.outer_optimizer.zero_grad(set_to_none=True)
-        for param, start in zip(self.parameters, self.global_parameters, strict=True):
-            start.copy_(param)
-        self.outer_round = step + 1
-        # The boundary a joiner enters at: the model holds the new global parameters.
-        session.member.serve_joiners(self._shared(), self.outer_round)
+        for index, grad in others.items():
+            self.parameters[index].grad = grad
+        for index in landed:
+            self.global_parameters[index].copy_(self.parameters[index])
+        if alpha:
+            for index, mine in zip(landed, own, strict=True):
+                self.parameters[index].lerp_(mine.to(self.parameters[index].dtype), alpha)
+        if last:
+            self.outer_round += 1
+            # The boundary a joiner enters at: the model holds the new global parameters.
+            session.member.serve_joiners(self._shared(), self.outer_round)
 
-    def _round_on_aggregator(self, state: GlobalState) -> None:
+    def _land_on_aggregator(self, state: GlobalState, keys: Sequence[int], pushed: Sequence[Any], last: bool) -> None:
         session = self._connected()
-        step = self.outer_round
-        means = []
-        for key, (begin, end) in enumerate(self.buckets):
-            # The tensors this rank holds (an FSDP2 rank's local shards): its error feedback follows them.
-            means.append(session.reduce(state.pseudo_gradient(key), step, key, parameters=state.parameters[begin:end]))
-        session.end_step()
         received, late = [], []
-        for future in means:  # every bucket is in flight before the first wait
+        for future in pushed:  # every bucket is in flight before the first wait
             try:
                 received.append(future.wait())
             except AggregationError as error:
@@ -370,10 +436,12 @@ class DiLoCo:
         if late:
             self._catch_up(state, late[0])
             return
-        for key, mean in enumerate(received):
+        for key, mean in zip(keys, received, strict=True):
             state.apply(key, mean)
-        state.load_into_model()
-        self.outer_round = step + 1
+        state.load_into_model(keys, self.schedule.alpha)
+        if not last:
+            return
+        self.outer_round += 1
         if session.member.joins != state.seeded_joins:
             # The worker client joined again: a restarted aggregator, which holds no global state. Seed it.
             log.warning("the aggregator of %s was restarted; seeding it with this host's global state", session.job_id)
@@ -389,6 +457,7 @@ class DiLoCo:
         )
         self.outer_round = state.receive(self._connected())
         self.inner_steps = self.outer_round * self.sync_every
+        self._in_flight = None  # the rounds of this outer round it had started are the job's past now
         self.late_rounds += 1
 
     def _rejoin(self, error: AggregationError) -> None:
@@ -412,6 +481,13 @@ class DiLoCo:
 
         The model and the inner optimizer are checkpointed beside it as usual.
         """
+        if self.schedule.fragments > 1 and self.inner_steps % self.sync_every:
+            # Mid-round some fragments stand at the next outer round and others not, and one may be in flight.
+            raise RuntimeError(
+                f"with fragments={self.schedule.fragments}, checkpoint at a multiple of sync_every="
+                f"{self.sync_every} inner steps (now {self.inner_steps}), where every fragment stands at the same "
+                f"outer round and none is in flight"
+            )
         session = self.session
         return {
             **_GlobalState(self).state_dict(),
