@@ -277,17 +277,29 @@ def test_a_host_silent_past_the_keepalive_is_dropped_and_rejoins_by_itself(
     assert {key: value for key, value in hosts[2].figures["digests"].items() if int(key) >= back} == later
 
 
+# Streaming DiLoCo (gradq.client.diloco.fragments): the ~100k parameters as 5 or 6 round keys in two fragments,
+# each round in flight for two inner steps, the host keeping half its own parameters where an update lands.
+STREAMING = ("--bucket-elements", "20000", "--fragments", "2", "--fragment-delay", "2", "--fragment-alpha", "0.5")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "fragments"])
 def test_semi_sync_a_slow_host_stalls_the_others_no_longer_than_the_grace_window_and_is_merged(
-    aggregator: AggregatorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    aggregator: AggregatorServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, streaming: bool
 ) -> None:
     grace, fast, slow = 0.2, 0.05, 0.17  # seconds slept per inner step: the slow host takes over 3x as long
-    semi = ("--quorum", "2", "--grace", str(grace))
+    semi = ("--quorum", "2", "--grace", str(grace), *(STREAMING if streaming else ()))
     with caplog.at_level(logging.INFO, logger="gradq.server.round_closing"):
         processes = [
-            start(aggregator, "diloco-semi", 0, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)),
-            start(aggregator, "diloco-semi", 1, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)),
+            start(
+                aggregator, f"diloco-semi-{streaming}", 0, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)
+            ),
+            start(
+                aggregator, f"diloco-semi-{streaming}", 1, tmp_path, *semi, "--rounds", "8", "--step-delay", str(fast)
+            ),
             # It stops sooner: a host late for the job's last round would wait for a boundary that never comes.
-            start(aggregator, "diloco-semi", 2, tmp_path, *semi, "--rounds", "5", "--step-delay", str(slow)),
+            start(
+                aggregator, f"diloco-semi-{streaming}", 2, tmp_path, *semi, "--rounds", "5", "--step-delay", str(slow)
+            ),
         ]
         hosts = finish(processes, tmp_path, range(3))
 

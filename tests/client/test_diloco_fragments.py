@@ -16,17 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_diloco import RUN_TIMEOUT_S, SYNC_EVERY, assert_identical, finish, start
+from test_diloco import RUN_TIMEOUT_S, STREAMING, SYNC_EVERY, assert_identical, finish, start
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco import DiLoCo
 from gradq.client.diloco.fragments import FragmentSchedule, split_buckets
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
-
-# The character transformer's ~100k parameters as 5 or 6 round keys: two fragments of two or three keys.
-BUCKETS = ("--bucket-elements", "20000")
-STREAMING = ("--fragments", "2", "--fragment-delay", "2", "--fragment-alpha", "0.5")
 
 
 def test_each_fragment_starts_and_lands_at_its_own_inner_step() -> None:
@@ -104,7 +100,6 @@ def test_streamed_fragments_leave_the_hosts_bit_identical_every_round(
             str(rounds),
             "--outer-step",
             outer_step,
-            *BUCKETS,
             *STREAMING,
             *(part.format(seed=seed) for part in init),
             hosts=2,
@@ -130,7 +125,7 @@ def test_a_joiner_enters_streamed_rounds_at_an_outer_round_boundary_and_is_ident
     aggregator: AggregatorServer, tmp_path: Path
 ) -> None:
     rounds = 30  # the survivor trains on alone: long enough for the joiner's start-up
-    common = ("--rounds", str(rounds), "--step-delay", "0.03", *BUCKETS, *STREAMING)
+    common = ("--rounds", str(rounds), "--step-delay", "0.03", *STREAMING)
     progress = tmp_path / "progress"
     processes = [
         start(aggregator, "streaming-joiner", 0, tmp_path, *common, "--progress", str(progress), hosts=2),
