@@ -18,7 +18,17 @@ the same per-host batches:
   outer round (4-bit + EF pseudo-gradients, Nesterov SGD outer step on the
   aggregator, the default);
 - ``diloco10-hosts`` (not run unless named in ``--methods``): H = 10 with the
-  outer step on the hosts, the aggregator only averaging.
+  outer step on the hosts, the aggregator only averaging;
+- ``diloco10-stream``: Streaming DiLoCo at H = 10 (gradq.client.diloco.fragments):
+  the model in 2 fragments, each round in flight for 2 inner steps while the
+  host trains on, the host keeping half its own parameters where an update lands;
+- ``compute-only`` (not run unless named): each host trains alone, nothing
+  leaves it: the floor of ms per inner step (its loss is not the job's).
+
+Besides the means, each host records every inner step's time and the bytes
+through its link in that step: the report gives a host's longest stall (its
+slowest step less its median one, the worst host's) and the peak bytes of one
+inner step, beside the mean.
 
 DDP runs ``--steps`` steps; its final held-out loss is the target. The other
 rows run until they reach it, or ``--budget`` times the steps. Reported: ms per
@@ -65,6 +75,8 @@ METHODS = {
     "diloco10": "gradq DiLoCo H=10, 4-bit + EF",
     "diloco10-hosts": "gradq DiLoCo H=10, 4-bit + EF, outer step on the hosts",
     "diloco50": "gradq DiLoCo H=50, 4-bit + EF",
+    "diloco10-stream": "gradq Streaming DiLoCo H=10, 2 fragments, delay 2, alpha 0.5, 4-bit + EF",
+    "compute-only": "compute only: each host alone, nothing sent",
     "torchft-diloco10": "torchft DiLoCo H=10, fp32 (peer all-reduce)",
 }
 LIGHTHOUSE_PORT = 29510
@@ -114,8 +126,10 @@ def rank_main(spec: RankSpec) -> None:
     # "diloco<H>" runs the outer step on the aggregator (the default), "diloco<H>-hosts" on the hosts.
     schedule, _, place = spec.method.removeprefix("diloco").partition("-")
     every = int(schedule) if spec.method.startswith("diloco") else 0
-    outer_step = place or "aggregator"
-    if every:  # each host a process group of its own: only outer rounds leave it
+    streaming = place == "stream"
+    outer_step = "hosts" if place == "hosts" else "aggregator"
+    alone = spec.method == "compute-only"
+    if every or alone:  # each host a process group of its own: only outer rounds leave it
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{RENDEZVOUS_PORT}", rank=0, world_size=1)
     else:
         init = f"tcp://{spec.rendezvous}:{RENDEZVOUS_PORT}"
@@ -123,15 +137,26 @@ def rank_main(spec: RankSpec) -> None:
     torch.manual_seed(SEED)
     model = task.build_model()
     trained: torch.nn.Module = model
-    if not every:
+    if not every and not alone:
         trained = ddp = DistributedDataParallel(model)
         if spec.method == "gradq4ef":
             hook_state = GradqHookState([spec.aggregator], quant, error_feedback=True, job_id=spec.job_id)
             ddp.register_comm_hook(hook_state, gradq_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.learning_rates["adamw"], weight_decay=0.01)
     config = GradqConfig.of([spec.aggregator], quant, error_feedback=True, job_id=spec.job_id, elastic_hosts=4)
+    # Streaming: 2 fragments of about half the model each (a fragment is whole round keys: 4 here).
+    fragments: dict[str, Any] = (
+        {
+            "fragments": 2,
+            "fragment_sync_delay": 2,
+            "fragment_update_alpha": 0.5,
+            "bucket_elements": sum(p.numel() for p in model.parameters()) // 4 + 1,
+        }
+        if streaming
+        else {}
+    )
     outer = (
-        (lambda: DiLoCo(config, model, optimizer, sync_every=every, outer_step=outer_step))
+        (lambda: DiLoCo(config, model, optimizer, sync_every=every, outer_step=outer_step, **fragments))
         if every
         else contextlib.nullcontext
     )
@@ -148,15 +173,20 @@ def _train(spec: RankSpec, task: Any, model: Any, optimizer: Any, eval_every: in
     before = netns.read_counters(netns.HOST_DEVICE)
     trained_s = cpu_s = 0.0
     step = 0
+    step_s: list[float] = []  # each inner step's time
+    step_bytes: list[int] = []  # the bytes through the host's link during each inner step
     with outer():
         while step < spec.budget:
             began, began_cpu = time.perf_counter(), time.process_time()
+            counted = sum(netns.read_counters(netns.HOST_DEVICE))
             inputs, targets = task.batch(spec.rank, step, SEED)
             loss = task.loss(model(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()  # a DiLoCo's outer round runs inside every H-th step
-            trained_s += time.perf_counter() - began
+            step_s.append(time.perf_counter() - began)
+            step_bytes.append(sum(netns.read_counters(netns.HOST_DEVICE)) - counted)
+            trained_s += step_s[-1]
             cpu_s += time.process_time() - began_cpu
             step += 1
             # Every host holds the same parameters here (DDP's, or the new global ones after an outer round),
@@ -173,6 +203,9 @@ def _train(spec: RankSpec, task: Any, model: Any, optimizer: Any, eval_every: in
         "trained_s": trained_s,
         "cpu_s": cpu_s,
         "link_bytes": tx - before[0] + rx - before[1],
+        # The first steps wait for the job to form and the kernels to load: not a stall of training.
+        "stall_s": max(step_s[5:], default=0.0) - statistics.median(step_s[5:] or [0.0]),
+        "peak_step_bytes": max(step_bytes[5:], default=0),
     }
     Path(spec.output).write_text(json.dumps(result))
 
@@ -228,6 +261,8 @@ class Row:
     aggregator_cpu_s_per_step: float
     loss_at_target_steps: float | None
     time_to_target_s: float | None
+    stall_ms: float = 0.0  # the worst host's slowest inner step less its median one
+    peak_step_bytes: float = 0.0  # the most bytes through a host's link in one inner step (the worst host's)
 
 
 def _environment(**extra: str) -> dict[str, str]:
@@ -275,7 +310,7 @@ def run_row(
                 f"{server.address}:{AGGREGATOR_PORT}",
                 f"diloco-{out.name}-{os.getpid()}",
                 args.steps,
-                args.steps if method == "ddp" else args.steps * args.budget,
+                args.steps if method in ("ddp", "compute-only") else args.steps * args.budget,
                 target,
                 args.eval_every,
                 str(out / f"rank{rank}.json"),
@@ -298,6 +333,8 @@ def run_row(
     steps = results[0]["steps"]
     at_steps = next((loss for step, _, loss in curve if step >= args.steps), None)
     reached = next((seconds for _, seconds, loss in curve if loss <= target), None)
+    if method == "compute-only":  # each host's own model: no loss of the job's
+        at_steps = reached = None
     row = Row(
         task,
         rate,
@@ -309,6 +346,8 @@ def run_row(
         aggregator_cpu / steps,
         at_steps,
         reached,
+        max(result["stall_s"] for result in results) * 1000,
+        max(result["peak_step_bytes"] for result in results),
     )
     return row, curve  # type: ignore[return-value]
 
@@ -327,9 +366,10 @@ def render(rows: Sequence[Row], args: argparse.Namespace) -> str:
         ddp = next(row for row in group if row.method == "ddp")
         lines += [f"## {task}, {rate} per link", ""]
         lines += [
-            "| method | ms/inner step | host-link bytes/inner step | x DDP bytes | CPU s/step: ranks / aggregator "
-            f"| held-out loss at {args.steps} steps | vs DDP | time to DDP's loss | sooner than DDP |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| method | ms/inner step | longest stall ms | host-link bytes/inner step: mean / peak | x DDP bytes "
+            f"| CPU s/step: ranks / aggregator | held-out loss at {args.steps} steps | vs DDP | time to DDP's loss "
+            "| sooner than DDP |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in group:
             loss = f"{row.loss_at_target_steps:.4f}" if row.loss_at_target_steps is not None else "-"
@@ -345,7 +385,8 @@ def render(rows: Sequence[Row], args: argparse.Namespace) -> str:
                 else "-"
             )
             lines.append(
-                f"| {METHODS[row.method]} | {row.step_ms:.1f} | {row.link_bytes_per_step:,.0f} "
+                f"| {METHODS[row.method]} | {row.step_ms:.1f} | {row.stall_ms:.0f} "
+                f"| {row.link_bytes_per_step:,.0f} / {row.peak_step_bytes:,.0f} "
                 f"| {row.link_bytes_per_step / ddp.link_bytes_per_step:.4f} "
                 f"| {row.rank_cpu_s_per_step:.3f} / {row.aggregator_cpu_s_per_step:.3f} | {loss} | {versus} "
                 f"| {reached} | {sooner} |"
@@ -365,7 +406,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tasks", nargs="+", default=["transformer", "source-lm"], help="bench/convergence_tasks.py keys"
     )
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"], help="link rates (tc syntax)")
-    gradq_rows = [key for key in METHODS if not key.startswith("torchft")]
+    gradq_rows = [key for key in METHODS if not key.startswith("torchft") and key != "compute-only"]
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=gradq_rows, help="rows (ddp first)")
     parser.add_argument("--hosts", type=int, default=4, help="hosts, one rank each")
     parser.add_argument("--steps", type=int, default=300, help="DDP's steps: the target's")
