@@ -56,6 +56,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import concurrent.futures  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -228,7 +229,8 @@ class PeakRssSampler:
                 return
 
 
-def _server_command(world_size: int, port_file: Path) -> list[str]:
+def _server_command(world_size: int, port_file: Path, metrics: bool = False) -> list[str]:
+    """gradq's aggregator; ``metrics``: exporting Prometheus metrics on a free port, as deployments run it."""
     return [
         sys.executable,
         "-m",
@@ -245,6 +247,7 @@ def _server_command(world_size: int, port_file: Path) -> list[str]:
         "WARNING",
         "--grace",
         str(SERVER_GRACE_S),
+        *(("--metrics-port", "0") if metrics else ()),
     ]
 
 
@@ -644,6 +647,7 @@ def timed_shards(
     rounds: int,
     transport: str,
     command: Callable[[int, Path], list[str]] | None = None,
+    metrics: bool = False,
 ) -> Timed:
     """Start ``shards`` servers, warm them up, time ``rounds`` rounds of ``len(tensors)`` ranks, stop them.
 
@@ -653,10 +657,11 @@ def timed_shards(
         rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
         transport: "stream" or "unary" (see ``Row.transport``).
         command: the servers' argv (``running_server``); None runs gradq's aggregator, whose means are checked.
+        metrics: gradq's aggregators export metrics (``--metrics-port``), so every round also reports its error.
     """
     world_size = len(tensors)
     with (
-        running_shards(world_size, shards, command) as servers,
+        running_shards(world_size, shards, command or functools.partial(_server_command, metrics=metrics)) as servers,
         rank_channels([server.address for server in servers], world_size) as channels,
     ):
         processes = [psutil.Process(server.popen.pid) for server in servers]
@@ -683,7 +688,13 @@ def timed_shards(
 
 
 def measure_config(
-    bits: int, transport: str, gradients: Sequence[np.ndarray], shards: int, rounds: int, floor: bool
+    bits: int,
+    transport: str,
+    gradients: Sequence[np.ndarray],
+    shards: int,
+    rounds: int,
+    floor: bool,
+    metrics: bool = False,
 ) -> Row:
     """Time ``rounds`` rounds of ``len(gradients)`` ranks on ``shards`` aggregators, then (``floor``) on bare gRPC.
 
@@ -694,13 +705,14 @@ def measure_config(
         shards: aggregator processes, each pushed one bucket per rank and round.
         rounds: timed rounds after ``WARMUP_ROUNDS`` untimed ones.
         floor: also time the same pushes against ``serve_floor`` servers, right after.
+        metrics: the aggregators export Prometheus metrics (``--metrics-port``).
 
     Returns:
         The configuration's row.
     """
     config = QuantConfig(scheme=Scheme.PER_CHANNEL_AFFINE, bits=bits)
     tensors = [encode(bucket, config) for bucket in gradients]
-    gradq = timed_shards(tensors, shards, rounds, transport)
+    gradq = timed_shards(tensors, shards, rounds, transport, metrics=metrics)
     bare = timed_shards(tensors, shards, rounds, transport, _floor_command(bits, tensors[0].numel)) if floor else None
     return Row(
         bits=bits,
@@ -840,6 +852,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--floor", action="store_true", help="after each row, time the same pushes on bare gRPC-Python servers"
     )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="start the aggregators with --metrics-port 0, as deployments that export Prometheus metrics run them",
+    )
     parser.add_argument("--serve-floor", type=_positive, metavar="WORLD_SIZE", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -855,7 +872,8 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"# aggregator throughput: {numel:,} float32 elements per bucket ({numel * FP32_BYTES / MB:.1f} MB), "
         f"per_channel_affine, {WARMUP_ROUNDS} warm-up + {args.rounds} timed rounds, shards restarted per row, "
-        f"{os.cpu_count()} CPU cores shared by shards and workers\n",
+        f"{os.cpu_count()} CPU cores shared by shards and workers"
+        f"{', aggregators exporting metrics' if args.metrics else ''}\n",
         flush=True,
     )
     rows = []
@@ -864,7 +882,9 @@ def run(args: argparse.Namespace) -> None:
             for shards in args.shards:
                 for transport in args.transport:  # side by side, minutes apart at most
                     rows.append(
-                        measure_config(bits, transport, gradients[:world_size], shards, args.rounds, args.floor)
+                        measure_config(
+                            bits, transport, gradients[:world_size], shards, args.rounds, args.floor, args.metrics
+                        )
                     )
                     print(
                         f"measured bits={bits} W={world_size} shards={shards} transport={transport}",

@@ -7,6 +7,7 @@ from gradq.qcore.codec import (
     decode_accumulate,
     encode,
     fake_quantize,
+    relative_error,
     wire_size,
 )
 from gradq.qcore.codecs import Codec, codec_for
@@ -48,6 +49,7 @@ __all__ = [
     "observer_for",
     "pack_bits",
     "packed_size",
+    "relative_error",
     "unpack_bits",
     "wire_size",
 ]

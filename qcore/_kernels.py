@@ -371,3 +371,58 @@ def quantize_compensated(x, residual, channel_size, qmax, symmetric, noise_key, 
             for i in range(rs.size):
                 rs[i] = rs[i] - scale * (np.float32(src[i]) - z)
     return -1
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _squared_error_block(levels, begin, end, channel_size, scales, zero_points, reference):  # type: ignore[no-untyped-def]
+    """(sum of (dequantized - reference)^2, sum of reference^2) over elements [begin, end), ``levels`` theirs.
+
+    Each channel's part of the block is summed in float32 (at most ``BLOCK_ELEMENTS`` terms, in any order:
+    the sums vectorise), the parts in float64.
+    """
+    error = 0.0
+    norm = 0.0
+    for c in range(begin // channel_size, (end - 1) // channel_size + 1):
+        start = max(c * channel_size, begin)
+        stop = min(c * channel_size + channel_size, end)
+        s = scales[c]
+        z = np.float32(zero_points[c])
+        # 0-based slices vectorise, see quantize_channel.
+        src = levels[start - begin : stop - begin]
+        want = reference[start:stop]
+        channel_error = np.float32(0.0)
+        channel_norm = np.float32(0.0)
+        for i in range(want.size):
+            w = want[i]
+            d = s * (np.float32(src[i]) - z) - w
+            channel_error += d * d
+            channel_norm += w * w
+        error += float(channel_error)
+        norm += float(channel_norm)
+    return error, norm
+
+
+@njit(cache=True, nogil=True)
+def dequantize_error(payload, bits, channel_size, scales, zero_points, reference):  # type: ignore[no-untyped-def]
+    """(||dequantized - reference||^2, ||reference||^2) in one pass, writing no array the size of ``reference``.
+
+    The dequantized values are ``dequantize_into``'s (float32, the same expression); block by block, the levels
+    of a packed payload are unpacked into a buffer of ``BLOCK_ELEMENTS``.
+    """
+    total_error = 0.0
+    total_norm = 0.0
+    levels = np.empty(min(BLOCK_ELEMENTS, reference.size), np.uint8)
+    for begin in range(0, reference.size, BLOCK_ELEMENTS):
+        end = min(begin + BLOCK_ELEMENTS, reference.size)
+        # Two calls: a read-only payload and the buffer are arrays of different numba types.
+        if bits == 8:
+            error, norm = _squared_error_block(
+                payload[begin:end], begin, end, channel_size, scales, zero_points, reference
+            )
+        else:
+            block = levels[: end - begin]
+            unpack(payload[begin * bits // 8 : (end * bits + 7) // 8], bits, block)
+            error, norm = _squared_error_block(block, begin, end, channel_size, scales, zero_points, reference)
+        total_error += error
+        total_norm += norm
+    return total_error, total_norm

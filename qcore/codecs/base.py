@@ -162,6 +162,16 @@ class Codec(ABC):
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
         """``out (+)= decode(q)``, then ``/ divisor`` when accumulating; ``out`` is checked by the caller."""
 
+    def squared_error(self, q: QuantizedArray, reference: np.ndarray) -> tuple[float, float]:
+        """(||decode(q) - reference||^2, ||reference||^2); ``reference`` is checked by the caller.
+
+        This one decodes into an array of its own; a codec may compute both in one pass instead.
+        """
+        difference = np.empty(q.numel, np.float32)
+        self.dequantize(q, difference, accumulate=False, divisor=1)
+        difference -= reference
+        return float(np.dot(difference, difference)), float(np.dot(reference, reference))
+
     @abstractmethod
     def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
         """The grid the aggregator returns the mean on when the pushers used this scheme."""

@@ -154,6 +154,13 @@ class UniformCodec(Codec):
             q.payload, q.bits, q.channel_size, q.scale, q.zero_point, out, accumulate, np.float32(divisor)
         )
 
+    def squared_error(self, q: QuantizedArray, reference: np.ndarray) -> tuple[float, float]:
+        """Both sums in one pass over the payload and ``reference``, writing no array (``dequantize_error``)."""
+        if q.numel == 0:
+            return 0.0, 0.0
+        error, norm = _kernels().dequantize_error(q.payload, q.bits, q.channel_size, q.scale, q.zero_point, reference)
+        return float(error), float(norm)
+
     def _check_header(self, field: str, bits: int, numel: int, channel_size: int) -> None:
         if not self.lowest_bits <= bits <= 8:
             raise ValueError(f"{field}.bits={bits} is invalid for {self.scheme.name}; expected {self.lowest_bits}..8")
