@@ -142,8 +142,17 @@ class ShardMembership:
             backoff = min(2 * backoff, 2.0)
 
     def rejoin_shard(self, shard: int) -> None:
-        """Join ``shard`` again (it restarted, or refused a push as not holding this member)."""
-        self.join_shard(shard, min(self.timeout_s, self.reconnect_timeout_s))
+        """Join ``shard`` again (it restarted, or refused a push as not holding this member).
+
+        An elastic member rejoins the first shard first: that shard says who the job's members are, and a
+        member it dropped (silent past the keepalive while this shard restarted) is refused there
+        (NOT_JOINED, which the member answers by joining as a newcomer) instead of coming back here as a
+        member of its own, whose rounds every other host would wait for.
+        """
+        patience = min(self.timeout_s, self.reconnect_timeout_s)
+        if self.elastic and shard > 0:
+            self.join_shard(0, patience)
+        self.join_shard(shard, patience)
 
     def member_role(self) -> pb.MemberRole:
         """What this member brings to a Join (a proto MemberRole): the server decides on it after a restart.
@@ -165,7 +174,10 @@ class ShardMembership:
         the other shards follow that id and that run (one run identity across shards), each answering with
         the run it holds."""
         incarnation = self.incarnations[0] if self.elastic else self.incarnations[shard]
-        request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, self.member_role())
+        role = self.member_role()
+        # A shard that lost the run re-forms it once the members training when this one last heard are back.
+        training = len(self.world.members) if role == pb.MEMBER_ROLE_RESUMING and self.world is not None else 0
+        request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, role, training)
         timeout = self.timeout_s if patience is None else patience
         try:
             response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)

@@ -75,11 +75,13 @@ def join_request(
     spec: JobSpec | int,
     incarnation: str = "",
     role: pb.MemberRole = pb.MEMBER_ROLE_STARTING,
+    training_members: int = 0,
 ) -> pb.JoinRequest:
     """A Join for member ``rank`` of one run (``incarnation``) of the job ``spec`` describes.
 
     ``spec`` may be a bare world size (one rank per member, nothing else said); ``role`` (a proto
-    MemberRole) says what an elastic member holds.
+    MemberRole) says what an elastic member holds, and a RESUMING one how many members were
+    training when it last heard (``training_members``; 0: unknown).
     """
     if isinstance(spec, int):
         spec = JobSpec(spec)
@@ -97,6 +99,7 @@ def join_request(
         outer_step=pb.OuterStep(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov) if outer else None,
         semi_sync=pb.SemiSync(quorum=semi_sync[0], grace_s=semi_sync[1]) if semi_sync is not None else None,
         role=role,
+        training_members=training_members,
     )
 
 

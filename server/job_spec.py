@@ -62,6 +62,7 @@ class JobSpec:
     outer_step: OuterStep | None = None  # DiLoCo: the outer step the aggregator runs (None: it only averages)
     semi_sync: SemiSync | None = None  # with outer_step: quorum and grace window of a round
     role: MemberRole = MemberRole.STARTING  # elastic: what the member holds (see MemberRole)
+    training_members: int = 0  # RESUMING: the members training when it last heard (0: world_size)
 
     def check(self, max_world_size: int) -> None:
         """Refuse a Join that is malformed on its own, whatever the job holds.
@@ -94,6 +95,11 @@ class JobSpec:
             raise InvalidArgumentError(
                 f"semi_sync ({self.semi_sync.describe()}) needs outer_step: a late host takes the job's state from "
                 f"the aggregator's copy of it"
+            )
+        if self.training_members and (self.role is not MemberRole.RESUMING or self.training_members > max_world_size):
+            raise InvalidArgumentError(
+                f"training_members={self.training_members} is invalid; expected 0, or 1..{max_world_size} "
+                f"(--max-world-size) from a RESUMING member"
             )
         if self.role is not MemberRole.STARTING and not self.elastic:
             raise InvalidArgumentError(

@@ -203,6 +203,8 @@ class JobTable:
                     Refusal.NOT_JOINED,
                 )
             pending = spec.role is MemberRole.JOINING or _newcomer(job, spec)
+            if spec.role is MemberRole.RESUMING and spec.training_members and not members.formed:
+                members.reform_at = min(members.reform_at or spec.training_members, spec.training_members)
             rank, rejoined = members.place(
                 spec.rank, spec.ranks, self.limits.max_world_size, job.describe, pending, spec.model_signature
             )

@@ -69,6 +69,9 @@ class Membership:
     # Member -> why it may not train in this run: its model is not the one the start quorum agreed on.
     refused: dict[int, str] = field(default_factory=dict)
     resumed: bool = False  # a member that trained in this run joined it: hosts hold its state, so it is the job's
+    # A run resumed on a shard that lost it re-forms once this many members are back (0: world_size): the fewest
+    # members a resuming member said were training (members lost meanwhile never come back under their ids).
+    reform_at: int = 0
     formed: bool = False  # elastic: world_size members have joined, so rounds wait for the members training
     joined: set[int] = field(default_factory=set)  # the members training
     # Member -> how many ranks it stands for (a host's under two-level aggregation; 1 by default).
@@ -389,9 +392,11 @@ class Membership:
     # -- helpers --------------------------------------------------------------------------------
 
     def _form(self) -> None:
-        """An elastic job forms once ``world_size`` members train on one model (never over a disagreement)."""
+        """An elastic job forms once ``world_size`` members train on one model (never over a disagreement); a
+        run resumed after a restart once the members that were training are back (``reform_at``)."""
         agree = len({self.models[m] for m in self.joined if m in self.models}) <= 1
-        self.formed = self.formed or (self.elastic and len(self.joined) >= self.world_size and agree)
+        needed = min(self.world_size, self.reform_at) if self.reform_at else self.world_size
+        self.formed = self.formed or (self.elastic and len(self.joined) >= needed and agree)
 
     def _check_ranks_add_up(self, rank: int, ranks: int, describe: Callable[[], str]) -> None:
         """The ranks a fixed job's members stand for add up to ``job_ranks`` (an elastic host's, times world_size)."""

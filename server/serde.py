@@ -261,6 +261,7 @@ def job_spec_of(request: pb.JoinRequest, rank: int) -> JobSpec:
         outer_step_of(request),
         semi_sync_of(request),
         role,
+        request.training_members,
     )
     return spec
 

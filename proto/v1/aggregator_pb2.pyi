@@ -77,7 +77,7 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role", "training_members")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class JoinRequest(_message.Message):
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     SEMI_SYNC_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -102,7 +103,8 @@ class JoinRequest(_message.Message):
     outer_step: OuterStep
     semi_sync: SemiSync
     role: MemberRole
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ..., role: _Optional[_Union[MemberRole, str]] = ...) -> None: ...
+    training_members: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ..., role: _Optional[_Union[MemberRole, str]] = ..., training_members: _Optional[int] = ...) -> None: ...
 
 class SemiSync(_message.Message):
     __slots__ = ("quorum", "grace_s")

@@ -122,13 +122,20 @@ def test_elastic_and_fixed_joins_do_not_mix(host: Host, server: AggregatorServer
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: elastic=False does not match .* elastic"):
         WorkerClient(f"127.0.0.1:{server.port}", "e", 0, 2, EXACT, timeout_s=5).join()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    starting = {"job_id": "e2", "rank": ANY_RANK, "world_size": 2, "elastic": True, "training_members": 1}
     try:
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.AggregatorStub(channel).Join(pb.JoinRequest(job_id="fixed", rank=ANY_RANK, world_size=2), timeout=5)
+        with pytest.raises(grpc.RpcError) as claimed:  # only a member that trained says who was training
+            pb_grpc.AggregatorStub(channel).Join(pb.JoinRequest(**starting), timeout=5)  # type: ignore[arg-type]
     finally:
         channel.close()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank=4294967295 (any) is only valid in an elastic Join" in (refused.value.details() or "")
+    assert claimed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "training_members=1 is invalid; expected 0, or 1..1024 (--max-world-size) from a RESUMING member" in (
+        claimed.value.details() or ""
+    )
 
 
 def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(

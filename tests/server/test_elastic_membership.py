@@ -214,6 +214,51 @@ def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_
     assert newcomer.rank not in (first.rank, second.rank)
 
 
+@pytest.mark.parametrize(
+    ("shards", "restarted"), [(1, 0), (2, 0), (2, 1)], ids=["one-aggregator", "shard-0", "shard-1"]
+)
+def test_a_restarted_shard_re_forms_the_run_with_the_members_training_not_the_ones_it_started_with(
+    start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient], shards: int, restarted: int
+) -> None:
+    """Three hosts start; one is lost; then a shard restarts: the two left must not wait for the third there."""
+    group = Shards(start_aggregator, shards)
+    first, second, third = (hosts(group.addresses, f"run-{n}", world_size=3) for n in "abc")
+    for host in (first, second, third):
+        host.join()
+    assert push_all(0, [first, second, third], [1.0, 2.0, 6.0]) == [pytest.approx(np.full(8, 3.0))] * 3
+    for watch in third.membership._watches:  # its Watch streams end with no Leave, as when its process dies
+        watch.cancel()
+    wait_for_world(first, lambda world: world.members == (first.rank, second.rank))
+    assert push_all(1, [first, second], [1.0, 3.0]) == [pytest.approx(np.full(8, 2.0))] * 2
+    group.restart(restarted)
+    started = time.monotonic()
+    assert push_all(2, [first, second], [5.0, 7.0]) == [pytest.approx(np.full(8, 6.0))] * 2
+    assert time.monotonic() - started < 10  # not the restarted shard's 20 s round deadline
+
+
+def test_a_member_the_first_shard_dropped_never_comes_back_to_a_restarted_shard(
+    start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient]
+) -> None:
+    """The first shard drops a host while shard 1 restarts: shard 1 must not take it back as a member."""
+    group = Shards(start_aggregator, 2)
+    first, second, silent = (hosts(group.addresses, f"run-{n}", world_size=3) for n in "abc")
+    for host in (first, second, silent):
+        host.join()
+    assert push_all(0, [first, second, silent], [1.0, 2.0, 6.0]) == [pytest.approx(np.full(8, 3.0))] * 3
+    silent.membership._watches[0].cancel()  # the first shard sees it go: dropped there alone
+    wait_for_world(first, lambda world: world.members == (first.rank, second.rank))
+    group.restart(1)
+    pushes = [silent.push_pull_async(1, bucket, np.full(4, 100.0, np.float32)) for bucket in (0, 1)]
+    for push in pushes:  # refused on both shards: the restarted one asked the first, which dropped it
+        with pytest.raises(AggregationError) as error:
+            push.result(timeout=20)
+        assert error.value.refusal == "NOT_JOINED"
+    assert push_all(1, [first, second], [1.0, 3.0]) == [pytest.approx(np.full(8, 2.0))] * 2  # without its 100s
+    with group.servers[1].table.jobs.lock:
+        (job,) = group.servers[1].table.jobs.all()
+        assert silent.rank not in job.members.joined
+
+
 @pytest.mark.parametrize("shards", [1, 2], ids=["one-shard", "two-shards"])
 def test_the_start_quorums_model_is_the_jobs_not_the_first_hosts(
     start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient], shards: int
