@@ -82,6 +82,7 @@ class ShardMembership:
         self._watches: list[Any] = []  # per shard: the Watch held open while joined
         self._watched_servers: list[str] = []  # per shard: the server process (JoinResponse.server_id) it watches
         self._watch_lock = threading.Lock()  # two pushes' retries may rejoin one shard at once
+        self._asked = (rank, incarnation)  # the id and run the first Join asked for (an elastic start-over's)
 
     def attach(self, addresses: list[str], stubs: list[Any]) -> None:
         """The shards, in order (again after discovery learned the group): none is joined yet."""
@@ -124,7 +125,7 @@ class ShardMembership:
         never trained), so this host leaves, waits and joins again from the first shard, as a newcomer,
         until ``timeout_s`` has passed.
         """
-        asked_rank, own_incarnation = self.rank, self.incarnations[0]
+        self._asked = (self.rank, self.incarnations[0])
         deadline = time.monotonic() + self.timeout_s
         backoff = _ELASTIC_JOIN_BACKOFF_S
         while True:
@@ -136,10 +137,15 @@ class ShardMembership:
                 if error.refusal != "ANOTHER_RUN" or self.received_state or time.monotonic() + backoff > deadline:
                     raise
                 log.warning("joining again from the first shard in %.1f s: %s", backoff, error)
-            self.leave()
-            self.rank, self.catch_up, self.incarnation = asked_rank, False, own_incarnation
+            self._start_over()
             time.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
+
+    def _start_over(self) -> None:
+        """Leave every shard and take back the id and run asked for at the first Join: the next is a newcomer's."""
+        self.leave()
+        self.rank, self.incarnation = self._asked
+        self.catch_up = False
 
     def rejoin_shard(self, shard: int) -> None:
         """Join ``shard`` again (it restarted, or refused a push as not holding this member).
@@ -287,11 +293,33 @@ class ShardMembership:
             What each shard sent, in shard order: a donor's state comes whole through the first shard (the
             others send nothing); a DiLoCo job's global state comes from every shard, each its own round keys.
 
+        Each shard admits this member from the step its transfer names. A donor names one step on every
+        shard; the aggregator's copy of a DiLoCo job is sent by each shard at its own next outer-round
+        boundary, and a boundary crossed on one shard between this member's transfers there and on another
+        admits it at two outer rounds. It then leaves (so no round waits for it), joins again as a newcomer
+        and waits for the next boundary, until ``timeout_s`` has passed.
+
         Raises:
             AggregationError: refused, the sender went away, the deadline passed, or the shards admitted this
-                member at different steps.
+                member at different steps until then.
         """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            received = self._fetch_every_shard()
+            steps = sorted({state.step for state in received})
+            if len(steps) == 1:
+                break
+            error = AggregationError(self.addresses[0], None, f"the shards admitted this member at steps {steps}")
+            if time.monotonic() > deadline:
+                raise error
+            log.warning("%s; joining again as a newcomer", error.details)
+            self._start_over()
+            self._join_elastic()
+        self.catch_up = False
+        self.received_state = True
+        return received
 
+    def _fetch_every_shard(self) -> list[ReceivedState]:
         def fetch(shard: int) -> ReceivedState:
             request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
             return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
@@ -299,15 +327,7 @@ class ShardMembership:
         # Pending on every shard: each admits this member from the step its transfer names.
         with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
             transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
-            received = [transfer.result() for transfer in transfers]
-        steps = {state.step for state in received}
-        if len(steps) != 1:
-            raise AggregationError(
-                self.addresses[0], None, f"the shards admitted this member at different steps {sorted(steps)}"
-            )
-        self.catch_up = False
-        self.received_state = True
-        return received
+            return [transfer.result() for transfer in transfers]
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
         """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
