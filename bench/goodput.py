@@ -15,7 +15,9 @@ aggregator shard a real ``gradq serve`` process. The loops:
 - ``ddp``: examples/elastic_train.py (the digits MLP), elastic DDP through the
   comm hook, 8 bits, over 2 shards.
 
-Each runs twice with the same hosts and job length: without faults, then with
+Every inner step sleeps ``--step-delay`` (a bigger model's compute; the
+stopped host must come back before the job ends). Each runs twice with the
+same hosts and job length: without faults, then with
 this schedule, keyed to the job's progress (host 0's outer round, or step / 10
 for DDP) so that it lands at the same point of training every time:
 
@@ -107,7 +109,9 @@ class Shards:
 class DiLoCoHost:
     """One examples/diloco_train.py process; its outer round in ``progress``, its figures at the end."""
 
-    def __init__(self, address: str, job: str, seed: int, out: Path, rounds: int, hosts: int, semi: bool) -> None:
+    def __init__(
+        self, address: str, job: str, seed: int, out: Path, rounds: int, hosts: int, semi: bool, delay: float
+    ) -> None:
         self.out, self.seed = out, seed
         self.progress = out / f"progress{seed}"
         environment = {
@@ -121,7 +125,7 @@ class DiLoCoHost:
         }
         command = [sys.executable, str(DILOCO), "--data-seed", str(seed), "--sync-every", str(SYNC_EVERY)]
         command += ["--rounds", str(rounds), "--bucket-elements", "20000", "--report", str(out)]
-        command += ["--progress", str(self.progress)]
+        command += ["--progress", str(self.progress), "--step-delay", str(delay)]
         command += ["--quorum", str(hosts - 2), "--grace", "0.5"] if semi else []
         self.process = subprocess.Popen(
             command, env=environment, stdout=(out / f"host{seed}.log").open("wb"), stderr=subprocess.STDOUT
@@ -154,13 +158,17 @@ def run_diloco(args: argparse.Namespace, semi: bool, faults: bool, out: Path) ->
     shards = Shards(1 if semi else 2)
     job = f"goodput-{'semi' if semi else 'sync'}-{faults}"
     started = time.monotonic()
-    hosts = [DiLoCoHost(shards.address, job, seed, out, args.rounds, args.hosts, semi) for seed in range(args.hosts)]
+
+    def launch(seed: int) -> DiLoCoHost:
+        return DiLoCoHost(shards.address, job, seed, out, args.rounds, args.hosts, semi, args.step_delay)
+
+    hosts = [launch(seed) for seed in range(args.hosts)]
     every = list(hosts)
     try:
         if faults:
             wait_for(lambda: hosts[0].round() >= KILL_AT)
             hosts[-1].process.kill()
-            every.append(DiLoCoHost(shards.address, job, args.hosts, out, args.rounds, args.hosts, semi))
+            every.append(launch(args.hosts))
             wait_for(lambda: hosts[0].round() >= STOP_AT)
             stop_for(hosts[-2].process.pid, args.stop_s)
             wait_for(lambda: hosts[0].round() >= SHARD_AT)
@@ -173,6 +181,10 @@ def run_diloco(args: argparse.Namespace, semi: bool, faults: bool, out: Path) ->
             if host.process.poll() is None:
                 host.process.kill()
         shards.close()
+    for host in every:
+        if host.process.returncode not in (0, -signal.SIGKILL):
+            log = (out / f"host{host.seed}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{job}: host {host.seed} exited {host.process.returncode}:\n{log}")
     finished = [figures for host in every if (figures := host.figures()) is not None]
     useful = 0
     for host in every:
@@ -196,22 +208,25 @@ def run_ddp(args: argparse.Namespace, faults: bool, out: Path) -> Run:
     job, steps = f"goodput-ddp-{faults}", args.rounds * SYNC_EVERY
     started = time.monotonic()
 
-    def host(index: int) -> ElasticHost:
-        return start_host(shards.address, job, args.hosts, steps, out / f"ddp{index}.jsonl", 0.0)
+    def launch(index: int) -> ElasticHost:
+        return start_host(shards.address, job, args.hosts, steps, out / f"ddp{index}.jsonl", args.step_delay)
 
-    hosts = [host(index) for index in range(args.hosts)]
+    hosts = [launch(index) for index in range(args.hosts)]
     every = list(hosts)
     try:
         if faults:
             wait_for(lambda: hosts[0].last_step() >= KILL_AT * SYNC_EVERY)
             hosts[-1].process.kill()
-            every.append(host(args.hosts))
+            every.append(launch(args.hosts))
             wait_for(lambda: hosts[0].last_step() >= STOP_AT * SYNC_EVERY)
             stop_for(hosts[-2].process.pid, args.stop_s)
             wait_for(lambda: hosts[0].last_step() >= SHARD_AT * SYNC_EVERY)
             shards.restart_last()
-        for each in every:
-            each.process.communicate(timeout=1800)
+        for index, each in enumerate(every):
+            output, _ = each.process.communicate(timeout=1800)
+            if each.process.returncode not in (0, -signal.SIGKILL):
+                log = output.decode(errors="replace")[-3000:]
+                raise RuntimeError(f"{job}: host {index} exited {each.process.returncode}:\n{log}")
         wall = time.monotonic() - started
     finally:
         for each in every:
@@ -235,6 +250,9 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=8, help="single-process hosts (at least 4)")
     parser.add_argument("--rounds", type=int, default=30, help="DiLoCo outer rounds (DDP: ten times as many steps)")
     parser.add_argument("--stop-s", type=float, default=5.0, help="how long the stopped host stays stopped")
+    parser.add_argument(
+        "--step-delay", type=float, default=0.05, help="seconds slept per inner step: a bigger model's compute"
+    )
     parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), help="which loops to run")
     args = parser.parse_args()
     if args.hosts < 4 or args.rounds <= SHARD_AT + 5:
