@@ -299,20 +299,33 @@ class ShardMembership:
         admits it at two outer rounds. It then leaves (so no round waits for it), joins again as a newcomer
         and waits for the next boundary, until ``timeout_s`` has passed.
 
+        A shard that goes away mid-transfer (it restarted) is answered the same way: this member leaves
+        every shard and joins again.
+
         Raises:
             AggregationError: refused, the sender went away, the deadline passed, or the shards admitted this
-                member at different steps until then.
+                member at different steps (or went away) until then.
         """
         deadline = time.monotonic() + self.timeout_s
         while True:
-            received = self._fetch_every_shard()
+            try:
+                received = self._fetch_every_shard()
+            except AggregationError as error:
+                # A shard went away mid-transfer (it restarted): the others' transfers have ended too, so
+                # this member leaves them all and joins again, as after a drop.
+                if error.code != grpc.StatusCode.UNAVAILABLE or not self.elastic or time.monotonic() > deadline:
+                    raise
+                log.warning("%s; joining again as a newcomer", error)
+                self._start_over()
+                self._join_elastic()
+                continue
             steps = sorted({state.step for state in received})
             if len(steps) == 1:
                 break
-            error = AggregationError(self.addresses[0], None, f"the shards admitted this member at steps {steps}")
+            apart = AggregationError(self.addresses[0], None, f"the shards admitted this member at steps {steps}")
             if time.monotonic() > deadline:
-                raise error
-            log.warning("%s; joining again as a newcomer", error.details)
+                raise apart
+            log.warning("%s; joining again as a newcomer", apart.details)
             self._start_over()
             self._join_elastic()
         self.catch_up = False
@@ -324,10 +337,11 @@ class ShardMembership:
             request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
             return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
 
-        # Pending on every shard: each admits this member from the step its transfer names.
+        # Pending on every shard: each admits this member from the step its transfer names. The pool's end
+        # waits for every transfer, so a failure is raised only once none is left waiting.
         with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
             transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
-            return [transfer.result() for transfer in transfers]
+        return [transfer.result() for transfer in transfers]
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
         """Send a waiting joiner the training state taken before ``step``; returns the bytes relayed.
