@@ -4,7 +4,8 @@ numba compiles a kernel on its first call and caches the machine code beside
 the kernel's source (``cache=True``), where the image keeps it: a container
 then loads it in well under a second instead of compiling for ~12 s with no
 output. Every scheme and rounding runs once through what the aggregator and
-the workers call: encode, decode, decode-accumulate and error feedback, on
+the workers call: encode, decode, decode-accumulate, the relative error the aggregator reports,
+encoding with an observer's qparams and error feedback, on
 arrays as they arrive off the wire too (read-only views of the message: numba
 compiles separately for those).
 """
@@ -17,7 +18,17 @@ import numpy as np
 
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.qcore import ErrorFeedback, QuantConfig, Rounding, Scheme, decode, decode_accumulate, encode
+from gradq.qcore import (
+    ErrorFeedback,
+    QuantConfig,
+    Rounding,
+    Scheme,
+    decode,
+    decode_accumulate,
+    encode,
+    observer_for,
+    relative_error,
+)
 
 
 def compile_scheme(scheme: Scheme, rounding: Rounding) -> None:
@@ -32,6 +43,11 @@ def compile_scheme(scheme: Scheme, rounding: Rounding) -> None:
         accumulator = np.zeros(values.size, np.float32)
         decode_accumulate(q, accumulator)
         decode_accumulate(q, accumulator, divide_by=2)
+        relative_error(q, values)  # the aggregator's gradq_mean_relative_error, every round
+    if scheme.is_quantized and scheme is not Scheme.PER_CHANNEL_SIGN:  # the grids an observer sets
+        observer = observer_for(config)
+        observer.observe(values)
+        encode(values, config, qparams=observer.calculate_qparams())
     feedback = ErrorFeedback()
     for _ in range(2):  # the second call takes the residual path
         feedback.encode(0, values, config)
