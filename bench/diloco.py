@@ -218,11 +218,13 @@ def _torchft_main(spec: RankSpec, task: Any) -> None:
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
+    from gradq.client.diloco import default_outer_optimizer
+
     sync_every = int(spec.method.removeprefix("torchft-diloco"))
     torch.manual_seed(SEED)
     model = task.build_model()
     inner = torch.optim.AdamW(model.parameters(), lr=task.learning_rates["adamw"], weight_decay=0.01)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    outer = default_outer_optimizer(model.parameters())  # gradq's own default, so the rows differ in transport only
     # A replica group of one process still needs its own store; the other hosts reach it for the cross-host group.
     store = torch.distributed.TCPStore(spec.address, RENDEZVOUS_PORT, is_master=True, wait_for_workers=False)
     manager = Manager(

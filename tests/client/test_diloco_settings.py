@@ -48,7 +48,7 @@ def test_outer_settings_and_optimizers_the_aggregator_does_not_run_are_refused()
         outer_step_of(torch.optim.Adam([param]))
     with pytest.raises(ValueError, match=re.escape("dampening=0.1, weight_decay=0")):
         outer_step_of(torch.optim.SGD([param], lr=0.7, momentum=0.9, dampening=0.1))
-    assert outer_step_of(torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)) == OuterStep()
+    assert outer_step_of(torch.optim.SGD([param], lr=0.3, momentum=0.9, nesterov=True)) == OuterStep()
     with pytest.raises(ValueError, match=re.escape("outer_step='everywhere' is invalid; expected one of")):
         from gradq.client.config import GradqConfig
         from gradq.client.diloco import DiLoCo
@@ -73,3 +73,17 @@ def test_semi_synchronous_rounds_need_the_outer_step_on_the_aggregator() -> None
         DiLoCo(config, model, inner, quorum=-1)
     with pytest.raises(ValueError, match=re.escape("grace_s=-0.5 is invalid; expected seconds in [0, 3600]")):
         DiLoCo(config, model, inner, quorum=2, grace_s=-0.5)
+
+
+def test_the_default_outer_optimizer_is_sgd_at_lr_0_3_whatever_the_number_of_hosts() -> None:
+    from gradq.client.config import GradqConfig
+    from gradq.client.diloco import DiLoCo
+
+    for hosts in (1, 2, 8):
+        model = torch.nn.Linear(2, 2)
+        diloco = DiLoCo(
+            GradqConfig.of("127.0.0.1:1", job_id="j", elastic_hosts=hosts), model, torch.optim.SGD(model.parameters())
+        )
+        group = diloco.outer_optimizer.param_groups[0]
+        assert (group["lr"], group["momentum"], group["nesterov"]) == (0.3, 0.9, True), group
+        assert outer_step_of(diloco.outer_optimizer) == OuterStep(lr=0.3, momentum=0.9, nesterov=True)
