@@ -67,6 +67,7 @@ class JobSpec:
     model_signature: str = ""  # elastic: the host's model, one line per tensor ("": unchecked)
     outer_step: OuterStep | None = None  # DiLoCo: the outer step the aggregator runs (None: it only averages)
     semi_sync: tuple[int, float] | None = None  # (quorum, grace seconds) of a semi-synchronous round
+    weighted: bool = False  # every push carries a weight, and the means are weighted by them
 
 
 def join_request(
@@ -100,6 +101,7 @@ def join_request(
         semi_sync=pb.SemiSync(quorum=semi_sync[0], grace_s=semi_sync[1]) if semi_sync is not None else None,
         role=role,
         training_members=training_members,
+        weighted=spec.weighted,
     )
 
 
@@ -158,8 +160,11 @@ def push_pull_request(
     non_finite: bool = False,
     incarnation: str = "",
     sequence: int = 0,
+    weight: int = 0,
 ) -> bytes:
     """One serialized contribution to round (job, step, bucket); ``non_finite`` reports a NaN/Inf bucket.
+
+    ``weight``: in a weighted job, what the push stands for (tokens, samples); 0 elsewhere.
 
     ``sequence`` names the push in its answer on a PushPullStream (PushPull ignores it); the push also
     says that its client takes an answer naming its round instead (``round_answers``, see ``StreamAnswer``),
@@ -174,6 +179,7 @@ def push_pull_request(
         incarnation=incarnation,
         sequence=sequence,
         round_answers=True,
+        weight=weight,
     )
     return serialize_with_tensor(request, "tensor", tensor)
 

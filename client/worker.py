@@ -31,7 +31,7 @@ from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError, PendingPush, ShardSender, UnaryPushes
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow
-from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options, keep_large_buffers
+from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, MAX_PUSH_WEIGHT, channel_options, keep_large_buffers
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
@@ -144,6 +144,7 @@ class WorkerClient:
         outer_step: OuterStep | None = None,
         semi_sync: tuple[int, float] | None = None,
         push_stream: bool = True,
+        weighted: bool = False,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -175,6 +176,7 @@ class WorkerClient:
         self.world_size = world_size
         self.ranks = ranks
         self.elastic = elastic
+        self.weighted = bool(weighted)
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
         channel = self.config.channel_size
@@ -191,7 +193,7 @@ class WorkerClient:
         # Who this member is on each shard (joins, watches, rejoins, state transfer): what every Join says of
         # the job is one value, checked by the aggregator against the job's.
         spec = serde.JobSpec(
-            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync
+            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync, weighted
         )
         self.membership = ShardMembership(
             job_id,
@@ -362,7 +364,7 @@ class WorkerClient:
 
     # -- push / pull ---------------------------------------------------------------------------
 
-    def push_pull(self, step: int, bucket: int, array: Any) -> Any:
+    def push_pull(self, step: int, bucket: int, array: Any, *, weight: int = 0) -> Any:
         """Contribute ``array`` to round (step, bucket) and return the mean over all ranks.
 
         Args:
@@ -370,6 +372,9 @@ class WorkerClient:
             bucket: bucket index within the step; picks the shard.
             array: this rank's values: any float array, or a torch tensor on any
                 device (quantized there; only packed bytes cross to the host).
+            weight: with ``weighted``, what this push stands for (the tokens or
+                samples this member trained on since it last pushed the key), >= 1;
+                the mean is then sum(weight * array) / sum(weight). 0 otherwise.
 
         Returns:
             float32 array (or tensor, on ``array``'s device) of ``array``'s shape holding the decoded mean.
@@ -378,7 +383,7 @@ class WorkerClient:
             AggregationError: the round failed (e.g. ranks missing at its
                 deadline) or the aggregator could not be reached.
         """
-        return self.push_pull_async(step, bucket, array).result()
+        return self.push_pull_async(step, bucket, array, weight=weight).result()
 
     def push_pull_async(
         self,
@@ -389,6 +394,7 @@ class WorkerClient:
         *,
         dtype: str | None = None,
         config: QuantConfig | None = None,
+        weight: int = 0,
     ) -> concurrent.futures.Future[Any]:
         """Like ``push_pull`` but returns at once; the answers, as they arrive, fill the future.
 
@@ -408,7 +414,9 @@ class WorkerClient:
             config: the grid of this bucket (None: the client's ``config``). The
                 aggregator fixes a bucket's grid at its first push, so pass the
                 same one at every step (gradq.client.bit_policy chooses them).
+            weight: see ``push_pull``.
         """
+        self.check_weight(weight)
         arrays = self._arrays_for(array)
         flat = arrays.flatten(array)
         shape = tuple(np.shape(array))
@@ -429,7 +437,9 @@ class WorkerClient:
             # policy rejects the bucket or skips it, for every rank alike.
             log.warning("step %d bucket %d: %s; reporting non-finite gradients", step, bucket, error)
             reported = [
-                self.push_pull_non_finite_async(step, key, end - begin, out=out[begin:end], config=config)
+                self.push_pull_non_finite_async(
+                    step, key, end - begin, out=out[begin:end], config=config, weight=weight
+                )
                 for key, (begin, end) in zip(keys, pieces, strict=True)
             ]
             return assemble(reported, out, shape)
@@ -439,7 +449,9 @@ class WorkerClient:
             error_ratio = self._sampled_error(arrays, key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio, tensor.dtype)
             try:
-                parts.append(self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end]))
+                parts.append(
+                    self.push_pull_encoded_async(step, key, tensor, counted=True, out=out[begin:end], weight=weight)
+                )
             except AggregationError as error:
                 if not parts:
                     raise
@@ -449,6 +461,16 @@ class WorkerClient:
                 parts.append(failed)
                 break
         return assemble(parts, out, shape)
+
+    def check_weight(self, weight: int) -> None:
+        """A weighted client's push carries a weight in range, another's none (the aggregator would refuse it)."""
+        if self.weighted and not (isinstance(weight, int) and 1 <= weight <= MAX_PUSH_WEIGHT):
+            raise ValueError(
+                f"weight={weight!r} is invalid; expected an integer in 1..{MAX_PUSH_WEIGHT}: this client's job "
+                f"weights its means (weighted=True) by what each push stands for (tokens, samples)"
+            )
+        if not self.weighted and weight:
+            raise ValueError(f"weight={weight!r} is invalid; expected 0: this client's job is not weighted")
 
     def round_keys(self, bucket: int, numel: int) -> list[tuple[int, int, int]]:
         """The rounds a bucket of ``numel`` elements travels as: (round key, begin, end) of each chunk.
@@ -513,6 +535,7 @@ class WorkerClient:
         shape: tuple[int, ...] | None = None,
         out: Any | None = None,
         config: QuantConfig | None = None,
+        weight: int = 0,
     ) -> concurrent.futures.Future[Any]:
         """Report that this rank's bucket holds NaN/Inf; the future gets zeros if the round is skipped.
 
@@ -522,7 +545,7 @@ class WorkerClient:
             AggregationError: INVALID_ARGUMENT under the aggregator's default reject policy.
         """
         placeholder = encode(np.zeros(numel, np.float32), config or self.config)
-        return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True, out=out)
+        return self.push_pull_encoded_async(step, bucket, placeholder, shape, non_finite=True, out=out, weight=weight)
 
     def push_pull_encoded_async(
         self,
@@ -534,6 +557,7 @@ class WorkerClient:
         non_finite: bool = False,
         counted: bool = False,
         out: Any | None = None,
+        weight: int = 0,
     ) -> concurrent.futures.Future[Any]:
         """Push an already encoded bucket (e.g. quantized on a GPU); the future gets the mean.
 
@@ -546,7 +570,9 @@ class WorkerClient:
             counted: the caller already recorded this push in ``stats()``.
             out: contiguous float32 array (or tensor, on any device) of
                 ``tensor.numel`` elements to decode the mean into; None allocates an array.
+            weight: see ``push_pull``.
         """
+        self.check_weight(weight)
         shard = shard_for(bucket, len(self._stubs))
         flat_shape = (tensor.numel,) if shape is None else shape
         arrays = self._arrays_for(out)
@@ -560,7 +586,15 @@ class WorkerClient:
             self.membership.join_shard(shard)
         pending.sequence = self._sender.next_sequence()
         pending.request = serde.push_pull_request(
-            self.job_id, step, bucket, self.rank, tensor, non_finite, self.incarnations[shard], pending.sequence
+            self.job_id,
+            step,
+            bucket,
+            self.rank,
+            tensor,
+            non_finite,
+            self.incarnations[shard],
+            pending.sequence,
+            weight,
         )
         if not counted:
             self._stats.pushed(tensor.numel, tensor.nbytes, 0.0, None, tensor.dtype)

@@ -17,7 +17,9 @@ outer round with the global state, and one dropped or late takes it at the
 round the others reached: ``steps`` goes on from there and ends with the job.
 ``--checkpoint FILE --save-at-round K`` saves after round K and exits;
 ``--resume`` continues from FILE. ``--report DIR`` writes this host's losses,
-figures and global parameters there.
+figures and global parameters there. ``--batch N --token-weighted`` trains on
+N windows per step and weighs this host's pseudo-gradient by its tokens (every
+host of the job must pass ``--token-weighted``; the batches may differ).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo: fragments synced apart")
     parser.add_argument("--fragment-delay", type=int, default=0, help="inner steps a fragment's round is in flight")
     parser.add_argument("--fragment-alpha", type=float, default=0.0, help="own share kept where an update lands")
+    parser.add_argument("--batch", type=int, default=BATCH, help="windows per inner step (of this host's ranks each)")
+    parser.add_argument("--token-weighted", action="store_true", help="weigh each host's pseudo-gradient by its tokens")
     parser.add_argument(
         "--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="the most elements one round key carries"
     )
@@ -100,6 +104,7 @@ def main() -> None:
         "fragments": args.fragments,
         "fragment_sync_delay": args.fragment_delay,
         "fragment_update_alpha": args.fragment_alpha,
+        "token_weighted": args.token_weighted,
     }
     with DiLoCo(config, model, inner, **schedule) as diloco:
         if args.resume:
@@ -112,9 +117,11 @@ def main() -> None:
         joined_at = diloco.outer_round
         # The job's inner steps, not a count of this host's: after a rejoin or a late round it goes on from the job's.
         for step in diloco.steps(args.rounds * args.sync_every):
-            inputs, targets = windows(train, np.random.default_rng([args.data_seed, rank, step]), BATCH)
+            inputs, targets = windows(train, np.random.default_rng([args.data_seed, rank, step]), args.batch)
             loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
             loss.backward()
+            if args.token_weighted:
+                diloco.count_tokens(inputs.numel())
             started = time.perf_counter()
             inner.step()  # every sync_every steps, DiLoCo's outer round runs here
             if diloco.inner_steps % args.sync_every == 0:

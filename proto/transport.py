@@ -22,6 +22,7 @@ import sys
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_DETAILS_CHARACTERS",
+    "MAX_PUSH_WEIGHT",
     "MAX_STATE_CHUNK_BYTES",
     "REFUSAL_METADATA_KEY",
     "bounded_details",
@@ -44,6 +45,10 @@ REFUSAL_METADATA_KEY = "gradq-refusal"
 # The most characters of a refusal's details: enough for every message gradq writes, and a cap on what a
 # refusal that quotes a request field (a job id, a signature line) can cost while it waits to be read.
 MAX_DETAILS_CHARACTERS = 2048
+# The largest PushPullRequest.weight (a weighted job's push: tokens or samples): a trillion per host and
+# round key is far past any run, and the bound keeps the sum of a round's weights an exact integer well
+# inside int64 (a weighted sum that overflows float32 fails its round as any overflowing contribution does).
+MAX_PUSH_WEIGHT = 1 << 40
 
 
 def bounded_details(details: str) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_accumulate",
+    "decode_times",
     "fake_quantize",
     "relative_error",
     "wire_size",
@@ -83,6 +84,48 @@ def decode_accumulate(q: QuantizedArray, out: np.ndarray, *, divide_by: int = 1)
         ValueError: if ``out`` is not a contiguous float32 array of ``q.numel`` elements.
     """
     _dequantize(q, out, accumulate=True, divide_by=divide_by)
+
+
+def decode_times(q: QuantizedArray, out: np.ndarray, factor: float, *, accumulate: bool, divide_by: int = 1) -> None:
+    """``out (+)= factor * decode(q)``, then divide by ``divide_by``: a contribution to a weighted mean.
+
+    On a scaled grid the factor folds into the per-channel scales (a copy of
+    ``num_channels`` floats), so the pass over the payload is the unweighted
+    decode's; the float pass-through schemes, which carry no scale, decode
+    into a temporary array and multiply it.
+
+    Raises:
+        ValueError: ``out`` is not a contiguous float32 array of ``q.numel`` elements, or ``factor`` is not a
+            finite number > 0.
+    """
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"factor={factor!r} is invalid; expected a finite number > 0")
+    if factor == 1.0:
+        _dequantize(q, out, accumulate, divide_by)
+        return
+    if q.scale.size:
+        scaled = QuantizedArray(
+            q.scheme,
+            q.bits,
+            q.numel,
+            q.channel_size,
+            q.scale * np.float32(factor),
+            q.zero_point,
+            q.payload,
+            q.dtype,
+        )
+        _dequantize(scaled, out, accumulate, divide_by)
+        return
+    _check_out("out", out, q.numel)
+    values = decode(q)
+    np.multiply(values, np.float32(factor), out=values)
+    flat = out.reshape(-1)
+    if accumulate:
+        np.add(flat, values, out=flat)
+    else:
+        flat[:] = values
+    if divide_by != 1:
+        np.divide(flat, np.float32(divide_by), out=flat)
 
 
 def relative_error(q: QuantizedArray, reference: np.ndarray) -> float:

@@ -63,6 +63,7 @@ class JobSpec:
     semi_sync: SemiSync | None = None  # with outer_step: quorum and grace window of a round
     role: MemberRole = MemberRole.STARTING  # elastic: what the member holds (see MemberRole)
     training_members: int = 0  # RESUMING: the members training when it last heard (0: world_size)
+    weighted: bool = False  # every push carries a weight (PushPullRequest.weight); means are weighted by them
 
     def check(self, max_world_size: int) -> None:
         """Refuse a Join that is malformed on its own, whatever the job holds.

@@ -16,7 +16,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
-from gradq.qcore.outer_step import OuterStep
 from gradq.server.budget import MemoryAccount
 from gradq.server.errors import (
     FailedPreconditionError,
@@ -76,6 +75,7 @@ class Job:
     # DiLoCo: the outer step and global state the aggregator keeps (JoinRequest.outer_step); None: it only averages.
     outer: OuterState | None = None
     semi_sync: SemiSync | None = None  # JoinRequest.semi_sync; None: every round waits for every member
+    weighted: bool = False  # JoinRequest.weighted: every push carries a weight, and means are weighted by them
     late: dict[int, LateStash] = field(default_factory=dict)  # round key -> late pushes to merge into its next round
 
     @property
@@ -195,7 +195,7 @@ class JobTable:
             members = job.members
             members.check_join(spec.world_size, spec.job_ranks, spec.ranks, job.describe, spec.max_members)
             members.check_model(spec.model_signature, job.describe)
-            _check_outer_step(job, spec.outer_step, spec.semi_sync)
+            _check_rounds(job, spec)
             if spec.role is MemberRole.RESUMING and spec.rank in members.dropped:
                 raise FailedPreconditionError(
                     f"member {spec.rank} of elastic {job.describe()} was dropped (silent past the keepalive): its "
@@ -402,15 +402,23 @@ def _newcomer(job: Job, spec: JobSpec) -> bool:
     return True
 
 
-def _check_outer_step(job: Job, outer_step: OuterStep | None, semi_sync: SemiSync | None) -> None:
-    """The run's first Join fixes the job's outer step and rounds; a later Join must name the same.
+def _check_rounds(job: Job, spec: JobSpec) -> None:
+    """The run's first Join fixes the job's outer step, its rounds and its weighting; a later Join must name the same.
 
     Caller holds the lock.
     """
+    outer_step, semi_sync = spec.outer_step, spec.semi_sync
     if job.members.empty and job.outer is None:
         job.outer = OuterState(outer_step) if outer_step is not None else None
         job.semi_sync = semi_sync
+        job.weighted = spec.weighted
         return
+    if spec.weighted != job.weighted:
+        theirs = "carry weights" if job.weighted else "carry none"
+        raise FailedPreconditionError(
+            f"weighted={spec.weighted} does not match {job.describe()}, whose pushes {theirs}; every host of a job "
+            f"must say the same"
+        )
     if semi_sync != job.semi_sync:
         mine = semi_sync.describe() if semi_sync is not None else "none (synchronous)"
         theirs = job.semi_sync.describe() if job.semi_sync is not None else "none (synchronous)"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gradq.qcore import QuantizedArray
 from gradq.server.errors import FailedPreconditionError, Refusal
 from gradq.server.jobs import Job
-from gradq.server.round_state import Round
+from gradq.server.round_state import Round, contribution_weight
 from gradq.server.semi_sync import LateStash
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class LateHosts:
             rnd.graced = True
             rnd.deadline = min(rnd.deadline, self._table.now() + semi_sync.grace_s)  # the sweeper closes it then
 
-    def merge(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool) -> bool:
+    def merge(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, weight: int = 0) -> bool:
         """Semi-synchronous: a push to a round closed without ``rank`` goes to the key's late stash.
 
         The member becomes pending (the rounds after do not wait for it) until
@@ -59,14 +59,15 @@ class LateHosts:
             return True  # nothing to merge; the host still takes the state
         with self._table.jobs.lock:
             ranks = job.members.ranks.get(rank, 1)
+            counted, times = contribution_weight(ranks, weight)
             stash = job.late.get(rnd.bucket)
             if stash is None:
                 self._table.budget.charge(
                     4 * tensor.numel, f"the late pushes of key {rnd.bucket} of {job.describe()}", job.memory
                 )
-                job.late[rnd.bucket] = LateStash.first(tensor, ranks, rank)
+                job.late[rnd.bucket] = LateStash.first(tensor, ranks, rank, counted, times)
             else:
-                stash.add(tensor, ranks, rank)
+                stash.add(tensor, ranks, rank, counted, times)
             newly_late = job.members.make_late(rank, rnd.step)
         if newly_late:
             log.warning(

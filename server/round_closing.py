@@ -75,7 +75,8 @@ class RoundCloser:
                 stash = job.late.pop(rnd.bucket, None)
             if stash is not None and stash.total.size == mean.size:
                 # Semi-synchronous: the late pushes of this key count as the members' they are.
-                rnd.ranks = stash.merge_into(mean, rnd.ranks)
+                rnd.weight = stash.merge_into(mean, rnd.weight)
+                rnd.ranks += stash.ranks
                 log.info("%s merged the late pushes of members %s", rnd.describe(job.job_id), sorted(stash.members))
             if stash is not None:
                 self._budget.adjust(stash.nbytes, 0, job.memory)

@@ -9,16 +9,30 @@ from typing import Protocol
 
 import numpy as np
 
-from gradq.qcore import QuantizedArray, decode, decode_accumulate
+from gradq.proto.transport import MAX_PUSH_WEIGHT
+from gradq.qcore import QuantizedArray, decode_times
 from gradq.server.errors import RoundError
 from gradq.server.policy import PushedGrid
 
-__all__ = ["FAILED_ROUND_BYTES", "Round", "RoundResult", "Waker"]
+__all__ = ["FAILED_ROUND_BYTES", "MAX_PUSH_WEIGHT", "Round", "RoundResult", "Waker", "contribution_weight"]
 
 # What a failed round kept to answer late pushes holds besides its error's message: the
 # Round with its lock, event and emptied per-rank sets (about 2.7 KiB measured by
 # tests/server/test_late_pushes.py), charged to its job's memory budget.
 FAILED_ROUND_BYTES = 4096
+
+
+def contribution_weight(ranks: int, weight: int) -> tuple[int, float]:
+    """What a push counts for in its round's mean, and what each of its values is multiplied by.
+
+    A member of ``ranks`` ranks pushes their sum. Unweighted (``weight`` 0) it
+    counts its ranks, values as they are; weighted, it counts ``weight`` and
+    each value ``weight / ranks`` times, so a host's sum over its ranks stands
+    for what the host trained on.
+    """
+    if not weight:
+        return ranks, 1.0
+    return weight, weight / ranks
 
 
 class Waker(Protocol):
@@ -101,6 +115,7 @@ class Round:
         "step",
         "wakers",
         "wakers_lock",
+        "weight",
     )
 
     def __init__(self, step: int, bucket: int, pushed: PushedGrid, deadline: float, accumulator: np.ndarray) -> None:
@@ -123,6 +138,8 @@ class Round:
         self.relative_error: float | None = None
         self.contributors: set[int] = set()
         self.ranks = 0  # the ranks the contributors stand for (more than one each under two-level aggregation)
+        # What the mean divides by: ``ranks``, or in a weighted job (JoinRequest.weighted) their pushes' weights.
+        self.weight = 0
         # rank -> digest of what it pushed, so a resend with other content is refused, not answered.
         self.digests: dict[int, int] = {}
         # The calls waiting for this round, woken when it finishes. Their own lock, held for
@@ -152,22 +169,24 @@ class Round:
     def describe(self, job_id: str) -> str:
         return f"round (job={job_id!r}, step={self.step}, bucket={self.bucket})"
 
-    def accumulate(self, tensor: QuantizedArray, last: bool, ranks: int) -> None:
-        """Dequantize a finite contribution into the accumulator.
+    def accumulate(self, tensor: QuantizedArray, last: bool, weight: int, times: float = 1.0) -> None:
+        """Dequantize a finite contribution, ``times`` over, into the accumulator.
 
         The first one is written, not added (the accumulator is never zeroed);
-        the round's ``last`` one divides by ``ranks`` (those the contributors,
-        this one included, stand for) in the same pass, turning the sum into the
-        mean without another pass over the bucket.
+        the round's ``last`` one divides by ``weight`` (what the contributors,
+        this one included, stand for: their ranks, or their pushes' weights) in
+        the same pass, turning the sum into the mean without another pass over
+        the bucket. ``times``: what one of this push's values counts for (a
+        weighted push's weight over its member's ranks; 1 otherwise).
         """
         assert self.accumulator is not None, "the round has been released"
         last = last and not self.non_finite
         if self.decoded:
-            decode_accumulate(tensor, self.accumulator, divide_by=ranks if last else 1)
+            decode_times(tensor, self.accumulator, times, accumulate=True, divide_by=weight if last else 1)
             self.averaged = last
         else:
-            decode(tensor, out=self.accumulator)
-            self.averaged = last and ranks == 1
+            decode_times(tensor, self.accumulator, times, accumulate=False)
+            self.averaged = last and weight == 1
         self.decoded += 1
 
     def mean(self) -> np.ndarray:
@@ -177,5 +196,5 @@ class Round:
         if self.non_finite or not self.decoded:
             mean[:] = 0.0  # skip the step for everyone: no rank applies a poisoned mean
         elif not self.averaged:
-            mean /= np.float32(self.ranks)
+            mean /= np.float32(self.weight)
         return mean

@@ -36,7 +36,7 @@ from gradq.server.limits import ServiceLimits
 from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
-from gradq.server.round_state import Round, RoundResult, Waker
+from gradq.server.round_state import MAX_PUSH_WEIGHT, Round, RoundResult, Waker, contribution_weight
 from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
@@ -63,6 +63,7 @@ class RoundTicket:
     job: Job
     round: Round
     rank: int
+    weight: int = 0  # a weighted job's push: what it stands for (JoinRequest.weighted); 0 elsewhere
 
 
 class RoundTable:
@@ -287,7 +288,14 @@ class RoundTable:
     # -- the round --------------------------------------------------------------------------
 
     def admit(
-        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
+        self,
+        job_id: str,
+        step: int,
+        bucket: int,
+        rank: int,
+        tensor: QuantizedArray,
+        incarnation: str = "",
+        weight: int = 0,
     ) -> RoundTicket:
         """A push's first half (``_admit``); in a DiLoCo job, whoever it shows behind the job's outer round catches up.
 
@@ -300,7 +308,7 @@ class RoundTable:
             (``LateHosts.leave_behind``).
         """
         try:
-            ticket = self._admit(job_id, step, bucket, rank, tensor, incarnation)
+            ticket = self._admit(job_id, step, bucket, rank, tensor, incarnation, weight)
         except FailedPreconditionError as error:
             if error.refusal is Refusal.BEHIND:
                 with self.jobs.lock:  # (a member that left meanwhile is refused as such instead)
@@ -313,7 +321,14 @@ class RoundTable:
         return ticket
 
     def _admit(
-        self, job_id: str, step: int, bucket: int, rank: int, tensor: QuantizedArray, incarnation: str = ""
+        self,
+        job_id: str,
+        step: int,
+        bucket: int,
+        rank: int,
+        tensor: QuantizedArray,
+        incarnation: str = "",
+        weight: int = 0,
     ) -> RoundTicket:
         """A push's first half: every check that can refuse, and the round found or opened. Never decodes.
 
@@ -322,7 +337,8 @@ class RoundTable:
         never queues ahead of other jobs' decoding.
 
         Raises:
-            InvalidArgumentError: numel too large, or disagreeing with the round's.
+            InvalidArgumentError: numel too large, or disagreeing with the round's; a weight outside
+                1..MAX_PUSH_WEIGHT in a weighted job, or one given in a job that is not.
             FailedPreconditionError: unknown job, rank or incarnation; a step
                 outside the window; another grid than the bucket's.
             ResourceExhaustedError: the memory budget or the job's open rounds are used up.
@@ -336,6 +352,7 @@ class RoundTable:
             )
         with self.jobs.lock:
             job = self.jobs.member(job_id, rank, incarnation, self._clock(), late_step=step)
+            _check_weight(job, weight)
             check_grid(job, bucket, tensor, self.budget)
             rnd = job.rounds.get((step, bucket))
             if rnd is not None and self._superseded_failure(job, rnd):
@@ -359,7 +376,7 @@ class RoundTable:
                     f"tensor.numel={tensor.numel} does not match numel={rnd.pushed.numel} of "
                     f"{rnd.describe(job_id)}; every rank must send the same bucket size"
                 )
-        return RoundTicket(job, rnd, rank)
+        return RoundTicket(job, rnd, rank, weight)
 
     def add(self, ticket: RoundTicket, tensor: QuantizedArray, non_finite: bool = False) -> None:
         """A push's second half: dequantize the admitted contribution into its round, finishing it if last.
@@ -374,11 +391,11 @@ class RoundTable:
             FailedPreconditionError: a resend whose content differs from what was counted.
         """
         job, rnd, rank = ticket.job, ticket.round, ticket.rank
-        digest = contribution_digest(tensor, non_finite)
-        if job.semi_sync is not None and self.late_hosts.merge(job, rnd, rank, tensor, non_finite):
+        digest = contribution_digest(tensor, non_finite, ticket.weight)
+        if job.semi_sync is not None and self.late_hosts.merge(job, rnd, rank, tensor, non_finite, ticket.weight):
             return
         with rnd.lock:
-            self._add_locked(job, rnd, rank, tensor, non_finite, digest)
+            self._add_locked(job, rnd, rank, tensor, non_finite, digest, ticket.weight)
 
     def try_add(self, ticket: RoundTicket, tensor: QuantizedArray) -> bool:
         """``add`` a finite contribution at once if that can neither wait nor finish the round; whether it did.
@@ -400,13 +417,14 @@ class RoundTable:
         try:
             if rnd.done.is_set() or rank in rnd.contributors or self._completes(job, rnd.contributors | {rank}):
                 return False
-            self._add_locked(job, rnd, rank, tensor, False, contribution_digest(tensor, False))
+            digest = contribution_digest(tensor, False, ticket.weight)
+            self._add_locked(job, rnd, rank, tensor, False, digest, ticket.weight)
             return True
         finally:
             rnd.lock.release()
 
     def _add_locked(
-        self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, digest: int
+        self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, digest: int, weight: int
     ) -> None:
         """``add``'s work under ``rnd.lock``: refuse a changed resend, count a new contribution, finish if last."""
         if rank in rnd.contributors and rnd.digests.get(rank, digest) != digest:
@@ -416,9 +434,10 @@ class RoundTable:
             )
         if not rnd.done.is_set() and rank not in rnd.contributors:
             ranks = job.members.ranks.get(rank, 1)
+            counted, times = contribution_weight(ranks, weight)
             if not non_finite:
                 last = self._completes(job, rnd.contributors | {rank})
-                rnd.accumulate(tensor, last=last, ranks=rnd.ranks + ranks)
+                rnd.accumulate(tensor, last=last, weight=rnd.weight + counted, times=times)
             elif self.policy.non_finite == "reject":
                 reason = f"rank {rank} reported NaN/Inf gradients; the policy is to reject them (--non-finite)"
                 error = InvalidArgumentError(f"{rnd.describe(job.job_id)} failed: {reason}")
@@ -428,6 +447,7 @@ class RoundTable:
                 rnd.non_finite.add(rank)
             rnd.contributors.add(rank)
             rnd.ranks += ranks
+            rnd.weight += counted
             rnd.digests[rank] = digest
             rnd.arrivals[rank] = self._clock()
             rnd.received_bytes += tensor.nbytes
@@ -586,6 +606,24 @@ class RoundTable:
         """Job id -> the members training, for the stop log and for callers outside the server."""
         with self.jobs.lock:
             return {job.job_id: sorted(job.members.joined) for job in self.jobs.all()}
+
+
+def _check_weight(job: Job, weight: int) -> None:
+    """A weighted job's push must carry a weight in range, and another job's none. Caller holds the job table's lock.
+
+    Raises:
+        InvalidArgumentError: naming the weight, the job and what was expected.
+    """
+    if job.weighted and not 1 <= weight <= MAX_PUSH_WEIGHT:
+        raise InvalidArgumentError(
+            f"weight={weight} is invalid; expected 1..{MAX_PUSH_WEIGHT} in {job.describe()}, whose hosts weight "
+            f"their pushes (JoinRequest.weighted): what this member trained on since it last pushed this key"
+        )
+    if weight and not job.weighted:
+        raise InvalidArgumentError(
+            f"weight={weight} is invalid; expected 0 in {job.describe()}, whose hosts joined without "
+            f"weighted=True (its means are over ranks)"
+        )
 
 
 def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:

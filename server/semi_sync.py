@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradq.qcore import QuantizedArray, decode_accumulate
-from gradq.qcore import decode as decode_array
+from gradq.qcore import QuantizedArray, decode_times
 
 __all__ = ["LATE_WEIGHT", "LateStash", "SemiSync"]
 
@@ -64,32 +63,35 @@ class SemiSync:
 class LateStash:
     """One round key's late contributions, summed, waiting for the key's next round to finish."""
 
-    total: np.ndarray  # float32 sum of the late contributions
+    total: np.ndarray  # float32 sum of the late contributions (each ``times`` over: see contribution_weight)
     ranks: int = 0  # the ranks they stand for
+    weight: int = 0  # what they count for in a mean: their ranks, or in a weighted job their pushes' weights
     members: set[int] = field(default_factory=set)  # (member, step) pairs already counted
 
     @classmethod
-    def first(cls, tensor: QuantizedArray, ranks: int, member: int) -> LateStash:
-        stash = cls(decode_array(tensor), ranks, {member})
-        return stash
+    def first(cls, tensor: QuantizedArray, ranks: int, member: int, weight: int = 0, times: float = 1.0) -> LateStash:
+        total = np.empty(tensor.numel, np.float32)
+        decode_times(tensor, total, times, accumulate=False)
+        return cls(total, ranks, weight or ranks, {member})
 
     @property
     def nbytes(self) -> int:
         return int(self.total.nbytes)
 
-    def add(self, tensor: QuantizedArray, ranks: int, member: int) -> bool:
+    def add(self, tensor: QuantizedArray, ranks: int, member: int, weight: int = 0, times: float = 1.0) -> bool:
         """Count one more late contribution; False when it is the member's second one (a resend) or misfits."""
         if member in self.members or tensor.numel != self.total.size:
             return False
-        decode_accumulate(tensor, self.total)
+        decode_times(tensor, self.total, times, accumulate=True)
         self.ranks += ranks
+        self.weight += weight or ranks
         self.members.add(member)
         return True
 
-    def merge_into(self, mean: np.ndarray, ranks: int) -> int:
-        """Fold the stash into a round's ``mean`` over ``ranks`` in place; returns the ranks the mean is now over."""
-        total = ranks + LATE_WEIGHT * self.ranks
-        np.multiply(mean, np.float32(ranks), out=mean)
+    def merge_into(self, mean: np.ndarray, weight: int) -> int:
+        """Fold the stash into a round's ``mean`` over ``weight`` in place; returns the weight the mean is now over."""
+        total = weight + LATE_WEIGHT * self.weight
+        np.multiply(mean, np.float32(weight), out=mean)
         np.add(mean, np.float32(LATE_WEIGHT) * self.total, out=mean)
         np.divide(mean, np.float32(total), out=mean)
         return round(total)

@@ -50,6 +50,7 @@ class Contribution:
     tensor: QuantizedArray
     non_finite: bool = False
     incarnation: str = ""
+    weight: int = 0  # in a weighted job, what the push stands for (checked against the job: RoundTable.admit)
 
 
 def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | bytes | None = None) -> Contribution:
@@ -65,7 +66,14 @@ def contribution_from_proto(request: pb.PushPullRequest, payload: memoryview | b
     except ValueError as error:
         raise InvalidArgumentError(str(error)) from None
     return Contribution(
-        request.job_id, request.step, request.bucket, request.rank, tensor, request.non_finite, request.incarnation
+        request.job_id,
+        request.step,
+        request.bucket,
+        request.rank,
+        tensor,
+        request.non_finite,
+        request.incarnation,
+        request.weight,
     )
 
 
@@ -262,6 +270,7 @@ def job_spec_of(request: pb.JoinRequest, rank: int) -> JobSpec:
         semi_sync_of(request),
         role,
         request.training_members,
+        request.weighted,
     )
     return spec
 

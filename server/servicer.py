@@ -442,6 +442,7 @@ class AggregatorServicer:
                 contribution.rank,
                 contribution.tensor,
                 contribution.incarnation,
+                contribution.weight,
             )
         except ResourceExhaustedError:
             # Out of memory budget or rounds: answered after a pause, holding the push's waiting

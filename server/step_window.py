@@ -87,10 +87,10 @@ def check_grid(job: Job, bucket: int, tensor: QuantizedArray, budget: MemoryBudg
         )
 
 
-def contribution_digest(tensor: QuantizedArray, non_finite: bool) -> int:
+def contribution_digest(tensor: QuantizedArray, non_finite: bool, weight: int = 0) -> int:
     """A digest of what a rank pushed, to tell a true resend from a different bucket.
 
-    Covers the whole grid (scale and zero point per channel), the payload's
+    Covers the push's weight, the whole grid (scale and zero point per channel), the payload's
     size and up to 64 KiB of it in evenly spaced blocks: a full hash would cost
     more than decoding. Any change of a channel's range changes its scale, so a
     different gradient slips through only if it keeps every channel's range
@@ -102,7 +102,9 @@ def contribution_digest(tensor: QuantizedArray, non_finite: bool) -> int:
     payload = tensor.payload.reshape(-1).data.cast("B")
     digest = zlib.crc32(tensor.scale.tobytes())
     digest = zlib.crc32(tensor.zero_point.tobytes(), digest)
-    digest = zlib.crc32(payload.nbytes.to_bytes(8, "little") + bytes([non_finite]), digest)
+    digest = zlib.crc32(
+        payload.nbytes.to_bytes(8, "little") + bytes([non_finite]) + weight.to_bytes(8, "little"), digest
+    )
     if payload.nbytes <= _DIGEST_BLOCKS * _DIGEST_BLOCK_BYTES:
         return zlib.crc32(payload, digest)
     last_start = payload.nbytes - _DIGEST_BLOCK_BYTES

@@ -133,6 +133,11 @@ class DiLoCo:
             the host trains on, before its update lands (below sync_every / fragments).
         fragment_update_alpha: where a fragment's update lands, the host keeps
             this share of its own parameters (0: it takes the global ones).
+        token_weighted: each round's mean weights every host's pseudo-gradient
+            by the tokens it trained on since its last push of that round key
+            (``count_tokens``), instead of counting every host alike: a host on
+            larger or longer batches moves the model in proportion. Every host
+            of the job must say the same.
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class DiLoCo:
         fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        token_weighted: bool = False,
     ) -> None:
         require_torch("diloco")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -207,6 +213,9 @@ class DiLoCo:
         self.fragment_keys = split_buckets(sizes, fragments)  # the round keys of each fragment
         self._in_flight: tuple[int, list[Any]] | None = None  # a fragment whose round started, and its pushes
         self.late_rounds = 0  # semi-synchronous: rounds this host was late for (merged, then it took the state)
+        self.token_weighted = bool(token_weighted)
+        self.tokens = 0  # token_weighted: the tokens this rank has counted (count_tokens), in all
+        self._tokens_at_push = [0] * len(self.buckets)  # ... when each round key was last pushed
         self._hook: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -262,6 +271,48 @@ class DiLoCo:
         self.start()
         yield from job_steps(self.inner_steps, total, lambda: self.inner_steps, lambda: self.rejoins + self.late_rounds)
 
+    def count_tokens(self, tokens: int) -> None:
+        """With ``token_weighted``: this rank's inner step trained on ``tokens`` more (call it once per step).
+
+        What a host pushes a round key with is the tokens its ranks counted
+        since that key's last push; its pseudo-gradient then weighs that much
+        in the key's mean (gradq's aggregator divides by the sum).
+
+        Raises:
+            ValueError: ``tokens`` is not an integer >= 0, or the job is not ``token_weighted``.
+        """
+        if not self.token_weighted:
+            raise ValueError("count_tokens: this DiLoCo is not token_weighted; its means count every host alike")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens={tokens!r} is invalid; expected an integer >= 0 (this inner step's tokens)")
+        self.tokens += tokens
+
+    def _push_weights(self, keys: Sequence[int]) -> list[int]:
+        """The weight of each round key's push now: the host's tokens since that key's last push (0: unweighted).
+
+        Raises:
+            ValueError: a key's host trained on no token since its last push (``count_tokens`` was not called).
+        """
+        if not self.token_weighted:
+            return [0] * len(keys)
+        counted = torch.tensor([self.tokens - self._tokens_at_push[key] for key in keys], dtype=torch.int64)
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if dist.get_world_size(group) > 1:  # the host's ranks trained on their own batches: the host's sum
+            dist.all_reduce(counted, group=group)
+        for key in keys:
+            self._tokens_at_push[key] = self.tokens
+        weights = [int(weight) for weight in counted.tolist()]
+        if min(weights) < 1:
+            raise ValueError(
+                f"token_weighted=True, but this host counted {min(weights)} tokens for outer round "
+                f"{self.outer_round}; call diloco.count_tokens(n) after every inner step with the tokens it trained on"
+            )
+        return weights
+
+    def _restart_token_counts(self) -> None:
+        """The host takes the job's state: what it trained before is not in it, so no later push weighs it."""
+        self._tokens_at_push = [self.tokens] * len(self.buckets)
+
     def _connect(self) -> GradqSession:
         state = self.on_aggregator
         session = GradqSession.connect(
@@ -271,6 +322,7 @@ class DiLoCo:
             model_signature=model_signature(self._shared()),
             outer_step=state.step if state is not None else None,
             semi_sync=self.semi_sync,
+            weighted=self.token_weighted,
         )
         if session.mode != "gradq":
             raise RuntimeError(
@@ -299,6 +351,7 @@ class DiLoCo:
                 f"quorum={self.semi_sync[0]}: semi-synchronous rounds run on one aggregator; this job has "
                 f"{session.member.shards} shards (a late host would be late on some of them and not on others)"
             )
+        self._restart_token_counts()
         if state is None:
             self.outer_round = session.member.receive(self._shared(), self.outer_round)
             return
@@ -369,12 +422,12 @@ class DiLoCo:
         session, state = self._connected(), self.on_aggregator
         step = self.outer_round
         pushed = []
-        for key in keys:
+        for key, weight in zip(keys, self._push_weights(keys), strict=True):
             begin, end = self.buckets[key]
             if state is not None:
                 # The tensors this rank holds (an FSDP2 rank's local shards): its error feedback follows them.
                 pseudo = state.pseudo_gradient(key)
-                pushed.append(session.reduce(pseudo, step, key, parameters=state.parameters[begin:end]))
+                pushed.append(session.reduce(pseudo, step, key, parameters=state.parameters[begin:end], weight=weight))
                 continue
             params = self.parameters[begin:end]
             pseudo = torch.cat(
@@ -383,7 +436,7 @@ class DiLoCo:
                     for param, start in zip(params, self.global_parameters[begin:end], strict=True)
                 ]
             )
-            pushed.append(session.reduce(pseudo, step, key, parameters=params))
+            pushed.append(session.reduce(pseudo, step, key, parameters=params, weight=weight))
         session.end_step()
         return pushed
 
@@ -462,6 +515,7 @@ class DiLoCo:
         )
         self.outer_round = state.receive(self._connected())
         self.inner_steps = self.outer_round * self.sync_every
+        self._restart_token_counts()
         self._in_flight = None  # the rounds of this outer round it had started are the job's past now
         self.late_rounds += 1
 
@@ -497,6 +551,8 @@ class DiLoCo:
         return {
             **_GlobalState(self).state_dict(),
             "residuals": session.residuals.state_dict() if session is not None else {},
+            "tokens": self.tokens,
+            "tokens_at_push": list(self._tokens_at_push),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -506,6 +562,13 @@ class DiLoCo:
             ValueError: a key is missing, or the global parameters differ in number or shape.
         """
         _GlobalState(self).load_state_dict(state)
+        self.tokens = int(state.get("tokens", 0))
+        marks = state.get("tokens_at_push", [self.tokens] * len(self.buckets))
+        if len(marks) != len(self.buckets):
+            raise ValueError(
+                f"state['tokens_at_push'] holds {len(marks)} counts; expected one per round key ({len(self.buckets)})"
+            )
+        self._tokens_at_push = [int(mark) for mark in marks]
         residuals = state.get("residuals", {})
         if residuals:
             session = self._connected()

@@ -228,6 +228,7 @@ def push_segments(
     codec: str,
     sender: concurrent.futures.Executor,
     gatherer: concurrent.futures.Executor,
+    weight: int = 0,
 ) -> torch.futures.Future[torch.Tensor]:
     """Average one flat tensor: summed inside the host first when it holds several ranks (see the module docstring).
 
@@ -241,6 +242,7 @@ def push_segments(
         codec: the configured codec (see gradq.client.session.placement).
         sender: the one thread that encodes and pushes, in call order.
         gatherer: the one thread that gathers mean pieces inside the host, in call order.
+        weight: a weighted job's push, what the host trained on (the same on its every rank); 0 elsewhere.
 
     Returns:
         A future of the mean, shaped and typed like ``values``; it fails with
@@ -248,7 +250,7 @@ def push_segments(
         its ranks failed its pieces.
     """
     if host.reduce_group is None:
-        return _push_alone(client, values, step, segments, grids, codec, sender)
+        return _push_alone(client, values, step, segments, grids, codec, sender, weight)
     numel = values.numel()
     flat = values.detach().reshape(-1)
     # The host's sum, in fp32: in the tensor itself when it is fp32 (the caller leaves it
@@ -273,7 +275,13 @@ def push_segments(
             pushed.set_result(
                 [
                     client.push_pull_async(
-                        step, key, sums[begin:end], out=out[begin:end], dtype=dtype, config=grids.get(key)
+                        step,
+                        key,
+                        sums[begin:end],
+                        out=out[begin:end],
+                        dtype=dtype,
+                        config=grids.get(key),
+                        weight=weight,
                     )
                     for key, begin, end in segments
                 ]
@@ -319,6 +327,7 @@ def _push_alone(
     grids: Mapping[int, QuantConfig],
     codec: str,
     sender: concurrent.futures.Executor,
+    weight: int,
 ) -> torch.futures.Future[torch.Tensor]:
     """A rank alone on its host pushes every piece itself; the answers' callbacks complete the future.
 
@@ -345,7 +354,13 @@ def _push_alone(
         try:
             parts = [
                 client.push_pull_async(
-                    step, key, pushed[begin:end], out=out[begin:end], dtype=dtype, config=grids.get(key)
+                    step,
+                    key,
+                    pushed[begin:end],
+                    out=out[begin:end],
+                    dtype=dtype,
+                    config=grids.get(key),
+                    weight=weight,
                 )
                 for key, begin, end in segments
             ]

@@ -107,6 +107,7 @@ class GradqSession:
         model_signature: str = "",
         outer_step: OuterStep | None = None,
         semi_sync: tuple[int, float] | None = None,
+        weighted: bool = False,
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
@@ -123,6 +124,7 @@ class GradqSession:
         ``outer_step`` (elastic) has the aggregator keep a DiLoCo job's global
         state (gradq.client.diloco); None: it only averages. ``semi_sync``
         (quorum, grace seconds) makes the job's rounds semi-synchronous.
+        ``weighted``: every ``reduce`` gives a weight, and the means are weighted by them.
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -160,6 +162,7 @@ class GradqSession:
                 model_signature=model_signature,
                 outer_step=outer_step,
                 semi_sync=semi_sync,
+                weighted=weighted,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,
@@ -201,7 +204,12 @@ class GradqSession:
         return cls(config, group, job_id, incarnation, host, None, config.fallback)
 
     def reduce(
-        self, values: torch.Tensor, step: int, key: int, parameters: Sequence[torch.Tensor] | None = None
+        self,
+        values: torch.Tensor,
+        step: int,
+        key: int,
+        parameters: Sequence[torch.Tensor] | None = None,
+        weight: int = 0,
     ) -> torch.futures.Future[torch.Tensor]:
         """Average ``values`` over the job's ranks for round ``(step, key)``; returns at once.
 
@@ -215,6 +223,9 @@ class GradqSession:
             parameters: the parameters ``values`` lays end to end, if it does:
                 error feedback then follows them when the caller's layout
                 changes, and the adaptive bit policy splits at their bounds.
+            weight: in a session connected ``weighted``, what this host trained on
+                for ``values`` (tokens, samples), the same on every rank of the
+                host, >= 1: the mean is then weighted by it. 0 otherwise.
 
         Returns:
             A future of the mean, shaped and typed like ``values``, on its device;
@@ -226,6 +237,7 @@ class GradqSession:
             raise RuntimeError(f"the gradq session is in fallback mode {self.mode!r}; the adapter reduces natively")
         config, host, client = self.config, self.host, self.client
         assert client is not None
+        client.check_weight(weight)
         flat = values.detach().reshape(-1)
         params = list(parameters) if parameters is not None else []
         pieces: list[tuple[int, Piece]]
@@ -237,7 +249,7 @@ class GradqSession:
         if config.error_feedback:
             self.residuals.observe(key, params, flat.numel(), flat.device, [(k, b, e) for k, b, e in segments])
         reduced = push_segments(
-            host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer()
+            host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer(), weight
         )
         self._step_futures.append(reduced)
         return reduced

@@ -77,7 +77,7 @@ class QuantizedTensor(_message.Message):
     def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role", "training_members")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role", "training_members", "weighted")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class JoinRequest(_message.Message):
     SEMI_SYNC_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TRAINING_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -104,7 +105,8 @@ class JoinRequest(_message.Message):
     semi_sync: SemiSync
     role: MemberRole
     training_members: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ..., role: _Optional[_Union[MemberRole, str]] = ..., training_members: _Optional[int] = ...) -> None: ...
+    weighted: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[str] = ..., ranks: _Optional[int] = ..., elastic: _Optional[bool] = ..., job_ranks: _Optional[int] = ..., max_members: _Optional[int] = ..., model_signature: _Optional[str] = ..., outer_step: _Optional[_Union[OuterStep, _Mapping]] = ..., semi_sync: _Optional[_Union[SemiSync, _Mapping]] = ..., role: _Optional[_Union[MemberRole, str]] = ..., training_members: _Optional[int] = ..., weighted: _Optional[bool] = ...) -> None: ...
 
 class SemiSync(_message.Message):
     __slots__ = ("quorum", "grace_s")
@@ -141,7 +143,7 @@ class JoinResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., server_id: _Optional[str] = ..., joined: _Optional[int] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., catch_up: _Optional[bool] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation", "sequence", "round_answers")
+    __slots__ = ("job_id", "step", "bucket", "rank", "tensor", "non_finite", "incarnation", "sequence", "round_answers", "weight")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +153,7 @@ class PushPullRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     bucket: int
@@ -160,7 +163,8 @@ class PushPullRequest(_message.Message):
     incarnation: str
     sequence: int
     round_answers: bool
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., round_answers: _Optional[bool] = ...) -> None: ...
+    weight: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., rank: _Optional[int] = ..., tensor: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., non_finite: _Optional[bool] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., round_answers: _Optional[bool] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
     __slots__ = ("mean", "contributors", "partial", "missing_ranks", "skipped", "sequence", "code", "details", "refusal", "step", "bucket", "incarnation")
