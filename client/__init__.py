@@ -2,5 +2,10 @@
 
 from gradq.client.security import ChannelSecurity
 from gradq.client.worker import AggregationError, WorkerClient, shard_for
+from gradq.proto.transport import share_one_arena
+
+# At import, before the training script starts its threads (DDP's, gloo's, gRPC's): a rank's round buffers are
+# then reused across threads instead of held once per thread (see share_one_arena).
+share_one_arena()
 
 __all__ = ["AggregationError", "ChannelSecurity", "WorkerClient", "shard_for"]
