@@ -22,7 +22,8 @@ Timed, each from the hosts' side:
   the joiner's state in hand.
 
 RSS is each shard process's peak (psutil, every 20 ms) over the whole run,
-and its baseline before the job. The targets: peak RSS over baseline per
+and its baseline before the job; the peak of each phase (seed, round,
+joiner) is printed apart, summed over the shards, to say where it comes from. The targets: peak RSS over baseline per
 shard <= 1/N of one shard's + 10%, and the round time not growing with N.
 This is a benchmark, not a test.
 """
@@ -60,6 +61,7 @@ class Figures:
     seed_s: float
     round_s: float
     joiner_s: float
+    phase_peaks_mb: list[float]  # seed, round, joiner: each phase's peak RSS summed over the shards
 
 
 class PeakRss:
@@ -68,14 +70,26 @@ class PeakRss:
     def __init__(self, processes: Sequence[psutil.Process]) -> None:
         self.processes = list(processes)
         self.peaks = [process.memory_info().rss for process in self.processes]
+        self._phase = list(self.peaks)
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            for index, process in enumerate(self.processes):
-                self.peaks[index] = max(self.peaks[index], process.memory_info().rss)
+            with self._lock:
+                for index, process in enumerate(self.processes):
+                    rss = process.memory_info().rss
+                    self.peaks[index] = max(self.peaks[index], rss)
+                    self._phase[index] = max(self._phase[index], rss)
+
+    def phase(self) -> float:
+        """The peak since the last phase began, summed over the processes, in bytes; then a new phase begins."""
+        with self._lock:
+            peak = sum(self._phase)
+            self._phase = [process.memory_info().rss for process in self.processes]
+        return peak
 
     def stop(self) -> list[int]:
         self._stop.set()
@@ -129,12 +143,14 @@ def measure(shards: int, elements: int, key_elements: int, timeout_s: float) -> 
                 ]
                 assert all(seed.result()[0] for seed in seeds)
         seed_s = time.perf_counter() - started
+        phases = [rss.phase()]
         pieces = [gradient[:size] for size in sizes]
         futures = [client.push_pull_async(0, key, piece) for client in hosts for key, piece in enumerate(pieces)]
         queued = time.perf_counter()
         for future in futures:
             future.result(timeout=600)
         round_s = time.perf_counter() - queued
+        phases.append(rss.phase())
         joiner = host(address, "outer-shards", timeout_s)
         joiner.join()
         assert joiner.catch_up
@@ -147,6 +163,7 @@ def measure(shards: int, elements: int, key_elements: int, timeout_s: float) -> 
             answered = time.perf_counter()
             states = fetched.result(timeout=600)
             joiner_s = time.perf_counter() - answered
+        phases.append(rss.phase())
         assert sum(len(state.data) for state in states) == 8 * elements
         for client in (*hosts, joiner):
             client.close()
@@ -158,6 +175,7 @@ def measure(shards: int, elements: int, key_elements: int, timeout_s: float) -> 
             seed_s,
             round_s,
             joiner_s,
+            [(peak - sum(baseline)) / 2**20 for peak in phases],
         )
     finally:
         supervisor.send_signal(signal.SIGTERM)
@@ -180,15 +198,22 @@ def main() -> None:
         f"outer state: {args.elements:,} float32 elements ({8 * args.elements / 2**20:,.0f} MiB with momentum), "
         f"round keys of {args.key_elements:,}"
     )
-    print("| shards | peak RSS over baseline per shard, MiB | x one shard's / N | seed s | round s | joiner s |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print(
+        "| shards | peak RSS over baseline per shard, MiB | x one shard's / N | seed s | round s | joiner s "
+        "| all shards' peak over baseline, MiB: seed / round / joiner |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---|")
     for row in rows:
         over = [peak - base for peak, base in zip(row.peak_mb, row.baseline_mb, strict=True)]
         ratio = (
             max(over) / ((sum(one.peak_mb) - sum(one.baseline_mb)) / row.shards) if one is not None else float("nan")
         )
         shown = " / ".join(f"{value:,.0f}" for value in over)
-        print(f"| {row.shards} | {shown} | {ratio:.2f} | {row.seed_s:.2f} | {row.round_s:.2f} | {row.joiner_s:.2f} |")
+        phases = " / ".join(f"{value:,.0f}" for value in row.phase_peaks_mb)
+        print(
+            f"| {row.shards} | {shown} | {ratio:.2f} | {row.seed_s:.2f} | {row.round_s:.2f} | {row.joiner_s:.2f} "
+            f"| {phases} |"
+        )
 
 
 if __name__ == "__main__":

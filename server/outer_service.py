@@ -137,7 +137,7 @@ class OuterJoiners:
         self._transfers.add(task)
         task.add_done_callback(self._transfers.discard)
 
-    async def _send(self, job: Job, claimed: list[Relay], data: bytes) -> None:
+    async def _send(self, job: Job, claimed: list[Relay], data: bytearray) -> None:
         """Stream the one copy of the state to every joiner claimed, chunk by chunk, then free it."""
         try:
             await asyncio.gather(*(_stream(relay, data) for relay in claimed))
@@ -145,7 +145,7 @@ class OuterJoiners:
             self._table.budget.adjust(len(data), 0, job.memory)
 
 
-async def _stream(relay: Relay, data: bytes) -> None:
+async def _stream(relay: Relay, data: bytearray) -> None:
     view = memoryview(data)
     try:
         for begin in range(0, len(data), MAX_STATE_CHUNK_BYTES):
