@@ -299,14 +299,14 @@ class DiLoCo:
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if dist.get_world_size(group) > 1:  # the host's ranks trained on their own batches: the host's sum
             dist.all_reduce(counted, group=group)
-        for key in keys:
-            self._tokens_at_push[key] = self.tokens
         weights = [int(weight) for weight in counted.tolist()]
         if min(weights) < 1:
             raise ValueError(
                 f"token_weighted=True, but this host counted {min(weights)} tokens for outer round "
                 f"{self.outer_round}; call diloco.count_tokens(n) after every inner step with the tokens it trained on"
             )
+        for key in keys:
+            self._tokens_at_push[key] = self.tokens
         return weights
 
     def _restart_token_counts(self) -> None:

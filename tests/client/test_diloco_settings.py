@@ -87,3 +87,20 @@ def test_the_default_outer_optimizer_is_sgd_at_lr_0_3_whatever_the_number_of_hos
         group = diloco.outer_optimizer.param_groups[0]
         assert (group["lr"], group["momentum"], group["nesterov"]) == (0.3, 0.9, True), group
         assert outer_step_of(diloco.outer_optimizer) == OuterStep(lr=0.3, momentum=0.9, nesterov=True)
+
+
+def test_token_counts_are_checked_and_only_a_token_weighted_host_takes_them() -> None:
+    from gradq.client.config import GradqConfig
+    from gradq.client.diloco import DiLoCo
+
+    config, model = GradqConfig.of("127.0.0.1:1", job_id="j", elastic_hosts=2), torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters())
+    with pytest.raises(ValueError, match=re.escape("count_tokens: this DiLoCo is not token_weighted")):
+        DiLoCo(config, model, inner).count_tokens(8)
+    weighted = DiLoCo(config, model, inner, token_weighted=True)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"tokens={bad!r} is invalid; expected an integer >= 0")):
+            weighted.count_tokens(bad)  # type: ignore[arg-type]
+    weighted.count_tokens(8)
+    weighted.count_tokens(0)
+    assert weighted.tokens == 8
