@@ -18,10 +18,9 @@ complete the futures.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +33,6 @@ from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session.bit_plans import BitPlans
 from gradq.client.session.failures import BackwardFailures
-from gradq.client.session.heap import release_free_heap
 from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
 from gradq.client.session.lifecycle import Membership, draw_run_names
 from gradq.client.session.member import ElasticMember
@@ -62,7 +60,6 @@ class GradqSession:
         "_gather_pool",  # one thread that gathers mean pieces inside the host, in call order
         "_membership",  # leaves the job once, at close / collection / exit
         "_sender_pool",  # one thread that encodes and sends off the caller's thread
-        "_step_futures",  # this step's futures: once all are done, the step's buffers are freed
         "client",  # the joined WorkerClient (None under a fallback)
         "config",  # the frozen configuration this session was connected with
         "failures",  # failures held until the backward pass ends, then raised typed
@@ -93,7 +90,6 @@ class GradqSession:
         self.plans = BitPlans()
         self.member = ElasticMember(self)
         self._closed = False
-        self._step_futures: list[torch.futures.Future[torch.Tensor]] = []
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._membership = Membership(self, client) if client is not None else None
@@ -251,7 +247,6 @@ class GradqSession:
         reduced = push_segments(
             host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer(), weight
         )
-        self._step_futures.append(reduced)
         return reduced
 
     def round_keys(self, key: int, numel: int) -> list[tuple[int, int, int]]:
@@ -276,12 +271,9 @@ class GradqSession:
     def end_step(self) -> None:
         """The caller has reduced every tensor of this step (DDP: after its last bucket)."""
         self.residuals.end_step()
-        futures, self._step_futures = self._step_futures, []
-        if futures:
-            # Once the step's means have landed, its buffers are freed: give their pages back
-            # (on the sender thread, while the loop steps its optimizer).
-            sender = self._sender()
-            torch.futures.collect_all(futures).add_done_callback(lambda _: _submit_quietly(sender, release_free_heap))
+        # The step's freed buffers stay in the heap for the next step's: a malloc_trim here cost about 8 ms of
+        # CPU per rank and step (the trim, and the page faults of taking the pages back) and did not lower the
+        # peak (bench/results/worker-memory.md).
 
     def world(self) -> JobWorld | None:
         """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
@@ -385,8 +377,3 @@ def _join_host(
 
 def _refused(failure: AggregationError) -> bool:
     return failure.code is not None and failure.code.name in _REFUSALS
-
-
-def _submit_quietly(pool: concurrent.futures.Executor, task: Callable[[], None]) -> None:
-    with contextlib.suppress(RuntimeError):  # the session closed meanwhile: nothing is left to give back for
-        pool.submit(task)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from gradq.client.config import GradqConfig
 from gradq.client.sending import AggregationError
-from gradq.client.session import GradqSession, heap
+from gradq.client.session import GradqSession
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
 from gradq.server.policy import RoundPolicy
@@ -44,9 +43,3 @@ def test_a_refused_join_is_reported_as_refused_whatever_the_fallback(
     with pytest.raises(AggregationError, match=r"refused the Join: .*configuration mismatch") as raised:
         GradqSession.connect(config)
     assert "unreachable" not in str(raised.value)
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
-def test_the_free_heap_is_given_back_through_glibc() -> None:
-    assert heap._malloc_trim() is not None
-    heap.release_free_heap()  # and it runs
