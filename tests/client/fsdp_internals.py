@@ -74,7 +74,10 @@ def main() -> None:
     param.register_post_accumulate_grad_hook(lambda _: None)
     found["post-accumulate hooks once registered"] = torch_internals.has_post_accumulate_grad_hooks(param)
     if rank == 0:
-        print(json.dumps(found))
+        print(json.dumps(found), flush=True)
+    # Both ranks past every collective before either tears gloo down: a rank that destroys its group while
+    # the other's pairs still talk to it can end both in std::terminate (seen once in a full run, on a busy host).
+    dist.barrier()
     dist.destroy_process_group()
 
 
