@@ -23,7 +23,13 @@ the same per-host batches:
   the model in 2 fragments, each round in flight for 2 inner steps while the
   host trains on, the host keeping half its own parameters where an update lands;
 - ``compute-only`` (not run unless named): each host trains alone, nothing
-  leaves it: the floor of ms per inner step (its loss is not the job's).
+  leaves it: the floor of ms per inner step (its loss is not the job's);
+- ``torchft-diloco10`` and ``torchft-diloco10-stream`` (with ``--torchft-python``,
+  an interpreter with torchft 0.2.0): torchft's DiLoCo and Streaming DiLoCo on
+  the same schedules and outer optimizer, fp32 pseudo-gradients all-reduced
+  between the hosts over gloo (its quantized path needs CUDA and Triton), its
+  lighthouse in the aggregator's namespace; the streaming row cuts the
+  parameters into 2 fragments in order by size, as gradq does.
 
 Besides the means, each host records every inner step's time and the bytes
 through its link in that step: the report gives a host's longest stall (its
@@ -78,6 +84,7 @@ METHODS = {
     "diloco10-stream": "gradq Streaming DiLoCo H=10, 2 fragments, delay 2, alpha 0.5, 4-bit + EF",
     "compute-only": "compute only: each host alone, nothing sent",
     "torchft-diloco10": "torchft DiLoCo H=10, fp32 (peer all-reduce)",
+    "torchft-diloco10-stream": "torchft Streaming DiLoCo H=10, 2 fragments, delay 2, alpha 0.5, fp32 (peer all-reduce)",
 }
 LIGHTHOUSE_PORT = 29510
 
@@ -220,9 +227,14 @@ def _torchft_main(spec: RankSpec, task: Any) -> None:
 
     from gradq.client.diloco import default_outer_optimizer
 
-    sync_every = int(spec.method.removeprefix("torchft-diloco"))
+    schedule, _, place = spec.method.removeprefix("torchft-diloco").partition("-")
+    sync_every = int(schedule)
     torch.manual_seed(SEED)
     model = task.build_model()
+    # Streaming: torchft takes fragments as modules, so the model's top-level children are cut in 2 runs of about
+    # half the parameters each, as gradq's fragments cut its parameters in order; plain DiLoCo is one fragment.
+    fragments = _module_fragments(model, 2) if place == "stream" else [model]
+    streaming = {"fragment_sync_delay": 2, "fragment_update_alpha": 0.5} if place == "stream" else {}
     inner = torch.optim.AdamW(model.parameters(), lr=task.learning_rates["adamw"], weight_decay=0.01)
     outer = default_outer_optimizer(model.parameters())  # gradq's own default, so the rows differ in transport only
     # A replica group of one process still needs its own store; the other hosts reach it for the cross-host group.
@@ -243,9 +255,37 @@ def _torchft_main(spec: RankSpec, task: Any) -> None:
         init_sync=False,  # every host builds the seed's model
         timeout=timedelta(seconds=60),
     )
-    _train(spec, task, model, inner, sync_every, lambda: TorchftDiLoCo(manager, [model], inner, outer, sync_every))
+    # One outer optimizer per fragment (torchft steps each fragment's on its own), all gradq's default.
+    outers = [default_outer_optimizer(fragment.parameters()) for fragment in fragments] if place == "stream" else outer
+    _train(
+        spec,
+        task,
+        model,
+        inner,
+        sync_every,
+        lambda: TorchftDiLoCo(manager, fragments, inner, outers, sync_every, **streaming),
+    )
     manager.shutdown()
     del store
+
+
+def _module_fragments(model: Any, count: int) -> list[Any]:
+    """``model``'s parameters, in order, cut into ``count`` runs of about equal size, each held by a module of its own.
+
+    gradq cuts its fragments the same way (parameters in order, by size); torchft takes each fragment as a module,
+    so each run's parameters (the model's own objects, which torchft updates in place) are registered on an empty one.
+    """
+    import torch
+
+    named = list(model.named_parameters())
+    total = sum(param.numel() for _, param in named)
+    holders = [torch.nn.Module() for _ in range(count)]
+    seen = 0
+    for name, param in named:
+        index = min(count - 1, seen * count // total)
+        holders[index].register_parameter(name.replace(".", "_"), param)
+        seen += param.numel()
+    return holders
 
 
 # -- the driver ----------------------------------------------------------------------------------------
@@ -415,17 +455,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=2.0, help="the others' most steps, times --steps")
     parser.add_argument(
         "--torchft-python",
-        help="an interpreter with torch and torchft: adds the torchft-diloco10 row (not a gradq dependency)",
+        help="an interpreter with torch and torchft: the torchft rows' (adds torchft-diloco10 unless a torchft row "
+        "is named; not a gradq dependency)",
     )
     parser.add_argument("--work-dir", help="keep every process's log here (default: a temporary directory)")
     parser.add_argument("--eval-every", type=int, default=10, help="per-step rows: steps between evaluations")
     args = parser.parse_args(argv)
     if args.methods[0] != "ddp":
         parser.error("--methods must start with ddp: its final loss is the others' target")
-    if args.torchft_python and "torchft-diloco10" not in args.methods:
+    if args.torchft_python and not any(method.startswith("torchft") for method in args.methods):
         args.methods.append("torchft-diloco10")
-    if "torchft-diloco10" in args.methods and not args.torchft_python:
-        parser.error("the torchft-diloco10 row needs --torchft-python")
+    if any(method.startswith("torchft") for method in args.methods) and not args.torchft_python:
+        parser.error("the torchft rows need --torchft-python")
     return args
 
 
