@@ -51,6 +51,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -340,6 +341,10 @@ def run_row(
             time.sleep(0.1)
         aggregator_pids = netns.namespace_pids(server.namespace)
         aggregator_cpu = read_process_cpu_s(aggregator_pids)
+        # torchft's streaming hosts differ where a fragment mixes in their own parameters, so each would stop at
+        # its own step and leave the others waiting in a quorum: they all run the budget (the curve still gives
+        # the time to the target). gradq's hosts may stop apart: a host that leaves ends its membership.
+        stop_at = math.inf if method.startswith("torchft") and method.endswith("-stream") else target
         for rank in range(args.hosts):
             host = topology.workers[rank]
             spec = RankSpec(
@@ -353,7 +358,7 @@ def run_row(
                 f"diloco-{out.name}-{os.getpid()}",
                 args.steps,
                 args.steps if method in ("ddp", "compute-only") else args.steps * args.budget,
-                target,
+                stop_at,
                 args.eval_every,
                 str(out / f"rank{rank}.json"),
             )
