@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pickle
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
+import ddp_probe
 import numpy as np
 import pytest
+import seed_reference
 import torch
 
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
@@ -17,10 +17,6 @@ from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "qcore"))
-import ddp_probe
-import seed_reference
 
 
 @pytest.fixture

@@ -7,10 +7,9 @@ the same inputs both must hand DDP the same gradients, bit for bit.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
+import ddp_probe
 import numpy as np
 import pytest
 import torch
@@ -21,9 +20,6 @@ from gradq.qcore import QuantConfig, Rounding
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ddp_probe
 
 pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
 

@@ -8,10 +8,8 @@ dropped the way a silent one is: its Watch stream ends without a Leave.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from waiting import wait_until
 
 from gradq.client.config import GradqConfig
 from gradq.client.ddp import GradqHookState, gradq_hook
@@ -26,9 +25,6 @@ from gradq.client.diloco import DiLoCo
 from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from conditions import wait_until
 
 TOTAL = 30  # the job's steps
 DROPPED_AT = 5  # the step in which one host is dropped

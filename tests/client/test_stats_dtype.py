@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,7 +42,6 @@ def test_a_float16_bucket_is_compared_with_two_bytes_per_element() -> None:
 
 def test_a_cpu_bfloat16_bucket_copied_to_the_host_still_counts_as_bfloat16() -> None:
     # The numpy path pushes a float32 host copy of the bucket; the wire and /metrics must name bfloat16.
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ddp_probe
 
     server = AggregatorServer(RoundPolicy(round_timeout_s=30.0), ServerOptions("127.0.0.1:0", metrics_port=0))

@@ -23,14 +23,12 @@ import numpy as np
 import pytest
 from dependencies import require_module, require_program
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.process import free_port, spawn_aggregator
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from conditions import wait_until
 
 yaml = require_module("yaml", "dev")
 

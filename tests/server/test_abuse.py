@@ -27,7 +27,7 @@ from abuse_helpers import (
     run_legit_job,
     stub,
 )
-from conditions import wait_until
+from waiting import wait_until
 
 from gradq.client import ChannelSecurity
 from gradq.proto.v1 import aggregator_pb2 as pb

@@ -16,9 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conditions import wait_until
 from conftest import StartAggregator
 from outer_hosts import STEP, Host, joiner_of
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore.outer_step import take_outer_step

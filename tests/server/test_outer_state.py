@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conditions import wait_until
 from conftest import StartAggregator
 from outer_hosts import STEP, Host, joiner_of
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client.elastic import ANY_RANK

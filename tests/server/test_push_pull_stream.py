@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
-from conditions import wait_until
+from waiting import wait_until
 
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb

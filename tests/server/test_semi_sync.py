@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conditions import wait_until
 from conftest import StartAggregator
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client.elastic import ANY_RANK

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from conditions import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import wait_until
 
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conditions import wait_until
+from waiting import wait_until
 
 from gradq.client import WorkerClient
 from gradq.server import healthcheck

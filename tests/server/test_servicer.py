@@ -8,9 +8,9 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conditions import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from waiting import wait_until
 
 from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
