@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from html.parser import HTMLParser
 
 
@@ -43,3 +44,9 @@ def cells(page: str, table_id: str) -> dict[str, dict[str, str]]:
         return {}
     header, *rows = parser.rows
     return {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+
+
+def job_row(metrics_port: int, job_id: str) -> dict[str, str]:
+    """``job_id``'s row of a running aggregator's /status page, {column header: cell text}; {} while it has none."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/status", timeout=5) as answer:
+        return cells(answer.read().decode(), "jobs").get(job_id, {})
