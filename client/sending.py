@@ -13,6 +13,7 @@ it on that shard at once instead of each after its own retries.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import itertools
@@ -28,6 +29,7 @@ import grpc
 from gradq.client import serde
 from gradq.client.chunks import CHUNK_KEY_STRIDE
 from gradq.client.push_stream import PushStream, StreamedReply
+from gradq.client.shard_connections import ShardConnections
 from gradq.client.stats import StatsRecorder
 from gradq.client.window import ShardWindow
 from gradq.qcore.arrays import ArrayCodec
@@ -133,7 +135,7 @@ class ShardSender:
             the shard answers UNIMPLEMENTED (an aggregator without PushPullStream).
         max_retries: retries of a call that failed with UNAVAILABLE.
         retry_backoff_s: first retry delay, doubled on each retry.
-        window: pushes per shard on the wire at once.
+        window: the pushes per shard on the wire at once (gradq.client.window).
         stats: records every mean pulled.
         rejoin: joins a shard again (a restarted aggregator forgot the job); raises AggregationError.
         lost_self: whether a refusal's reason (gradq.client.serde.refusal_name) says the aggregator counts this
@@ -177,32 +179,35 @@ class ShardSender:
             transport.close()
 
     def submit(self, pending: PendingPush) -> None:
-        """Send ``pending`` now if its shard's window has room, else once a slot frees."""
+        """Send ``pending`` now if its shard's window has room, else once pushes before it settle."""
         size = len(pending.request)
         with self._held_lock:
             self.held_bytes += size
         pending.result.add_done_callback(functools.partial(self._settled, size))
-        if self.window.admit(pending.shard, pending):
-            self.start(pending)
+        if self.window.admit(pending.shard, pending, size):
+            self.start([pending])
 
     def _settled(self, size: int, settled: object) -> None:
         with self._held_lock:
             self.held_bytes -= size
 
-    def start(self, pending: PendingPush | None) -> None:
-        """Transmit pushes that hold a window slot; one failing at once hands its slot to the next in line.
+    def start(self, admitted: list[PendingPush]) -> None:
+        """Transmit pushes the window admitted; one failing at once hands its room to those waiting.
 
         A loop, not recursion: a closed channel fails a whole queue at once.
         """
-        while pending is not None:
+        queue = collections.deque(admitted)
+        while queue:
+            pending = queue.popleft()
             if self._transmit(pending):
-                if self.window.limit is not None:
-                    pending.result.add_done_callback(functools.partial(self._pass_slot, pending.shard))
-                return
-            pending = self.window.release(pending.shard)
+                pending.result.add_done_callback(functools.partial(self._pass_slot, pending))
+            else:
+                queue.extend(self.window.release(pending.shard, pending, len(pending.request), answered=False))
 
-    def _pass_slot(self, shard: int, settled: object) -> None:
-        self.start(self.window.release(shard))  # ``settled``: the push that held the slot
+    def _pass_slot(self, pending: PendingPush, settled: concurrent.futures.Future[Any]) -> None:
+        # Answered at the first attempt: a round trip the window measures; after a retry: counted only.
+        answered: bool | None = False if settled.exception() is not None else (pending.attempt == 0 or None)
+        self.start(self.window.release(pending.shard, pending, len(pending.request), answered=answered))
 
     def _transmit(self, pending: PendingPush) -> bool:
         """Start the RPC; False when it failed at once (``pending`` is settled)."""
@@ -235,7 +240,7 @@ class ShardSender:
         if code == grpc.StatusCode.UNIMPLEMENTED and isinstance(call, StreamedReply):
             # An aggregator from before PushPullStream: this shard's pushes go as unary calls from now on.
             transport = self.transports[pending.shard]
-            if isinstance(transport, PushStream):
+            if isinstance(transport, (PushStream, ShardConnections)):
                 log.info("aggregator %s has no PushPullStream; sending its pushes as unary PushPull calls", address)
                 self.transports[pending.shard] = self._unary[pending.shard]
                 self._replaced.append(transport)  # closed with the rest: a push may be on its way into it

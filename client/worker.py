@@ -8,7 +8,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -29,8 +29,9 @@ from gradq.client.membership import ShardMembership
 from gradq.client.push_stream import PushStream
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError, PendingPush, ShardSender, UnaryPushes
+from gradq.client.shard_connections import ShardConnections
 from gradq.client.stats import ClientStats, StatsRecorder
-from gradq.client.window import ShardWindow
+from gradq.client.window import ShardWindow, WindowSettings
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, MAX_PUSH_WEIGHT, channel_options, keep_large_buffers
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
@@ -82,8 +83,10 @@ class WorkerClient:
         log_every_s: log a one-line ``stats()`` summary at most this often (None: never).
         chunk_elements: buckets above this many elements travel as several
             rounds (rounded up to whole channels); 0 never splits.
-        max_in_flight: pushes per shard on the wire at once, the rest waiting
-            in order (see gradq.client.window); None sends every push at once.
+        max_in_flight: pushes per shard on the wire at once however short the
+            path, the rest waiting in order; more go while their bytes fit twice
+            the path's bandwidth-delay product (see gradq.client.window). None
+            sends every push at once.
             Set it only when every rank pushes in the same order, as DDP does.
         incarnation: names this run of the job, the same on every rank (e.g. a
             uuid rank 0 draws and broadcasts); a rerun or restart with the same
@@ -145,6 +148,7 @@ class WorkerClient:
         semi_sync: tuple[int, float] | None = None,
         push_stream: bool = True,
         weighted: bool = False,
+        window: WindowSettings | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
@@ -186,7 +190,9 @@ class WorkerClient:
         self._arrays: dict[str, ArrayCodec] = {}
         self._seed_rng(rank)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
+        self._max_message_bytes = max_message_bytes
         self._channel_options = channel_options(max_message_bytes)
+        self.window_settings = window or WindowSettings()
         self.security = security or ChannelSecurity()
         self._metadata = self.security.metadata()
         self._stats = StatsRecorder(log_every_s)
@@ -227,22 +233,41 @@ class WorkerClient:
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
         self.membership.attach(self.addresses, self._stubs)
         timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
-        unary = [UnaryPushes(c.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata) for c in self._channels]
-        streams = [
-            PushStream(functools.partial(c.stream_stream(_PUSH_PULL_STREAM_METHOD), metadata=self._metadata), timeout_s)
-            for c in self._channels
+        window: ShardWindow[PendingPush] = ShardWindow(len(self.addresses), max_in_flight, self.window_settings)
+        transports = [
+            ShardConnections(
+                self._transport(channel),
+                functools.partial(self._open_connection, address),
+                functools.partial(window.connections, shard),
+            )
+            for shard, (address, channel) in enumerate(zip(self.addresses, self._channels, strict=True))
         ]
         self._sender = ShardSender(
             self.addresses,
-            streams if self.push_stream else unary,
-            unary,
+            transports,
+            [UnaryPushes(c.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata) for c in self._channels],
             max_retries,
             retry_backoff_s,
-            ShardWindow(len(self.addresses), max_in_flight),
+            window,
             self._stats,
             self.membership.rejoin_shard,
             self.membership.counted_lost,
         )
+
+    def _transport(self, channel: grpc.Channel) -> PushStream | UnaryPushes:
+        """How pushes travel on ``channel``: one PushPullStream call, or a unary call each."""
+        timeout_s = self._sending[0]
+        if self.push_stream:
+            return PushStream(
+                functools.partial(channel.stream_stream(_PUSH_PULL_STREAM_METHOD), metadata=self._metadata), timeout_s
+            )
+        return UnaryPushes(channel.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata)
+
+    def _open_connection(self, address: str, index: int) -> tuple[PushStream | UnaryPushes, Callable[[], None]]:
+        """Connection ``index`` (1, 2, ...) to the shard at ``address``: its transport and what closes its channel."""
+        channel = self.security.channel(address, channel_options(self._max_message_bytes, connection=index))
+        log.debug("opened connection %d to aggregator %s", index, address)
+        return self._transport(channel), channel.close
 
     # -- membership ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Transport settings every gradq gRPC endpoint shares: message limits, buffer reuse, telling TLS from plaintext.
+"""Transport settings every gradq gRPC endpoint shares: message limits, flow control, buffer reuse, TLS or not.
 
 Why the allocator is tuned here: a bucket crosses gRPC-Python as several
 multi-megabyte buffers per call (the serialized message, core's slices, the
@@ -25,6 +25,7 @@ __all__ = [
     "MAX_PUSH_WEIGHT",
     "MAX_STATE_CHUNK_BYTES",
     "REFUSAL_METADATA_KEY",
+    "STREAM_WINDOW_BYTES",
     "bounded_details",
     "channel_options",
     "keep_large_buffers",
@@ -50,6 +51,8 @@ MAX_DETAILS_CHARACTERS = 2048
 # round key is far past any run, and the bound keeps the sum of a round's weights an exact integer well
 # inside int64 (a weighted sum that overflows float32 fails its round as any overflowing contribution does).
 MAX_PUSH_WEIGHT = 1 << 40
+# A stream's first HTTP/2 flow-control window, both ways (channel_options).
+STREAM_WINDOW_BYTES = 4 << 20
 
 
 def bounded_details(details: str) -> str:
@@ -73,12 +76,27 @@ _USER_TUNABLES = "glibc.malloc."
 _tuned: bool | None = None
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC options for a gradq channel or server: message limits both ways."""
-    return [
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, connection: int = 0) -> list[tuple[str, int]]:
+    """gRPC options for a gradq channel or server: message limits both ways, the streams' first window.
+
+    Args:
+        max_message_bytes: the largest message either way.
+        connection: a client's extra connection to one shard (1, 2, ...; 0: its
+            first). gRPC puts channels whose arguments are equal on one shared
+            connection; an extra one gets a subchannel pool of its own and an
+            argument that differs, so it is a TCP connection of its own.
+    """
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # Each stream's first flow-control window (HTTP/2's default is 64 KiB): a new connection to an
+        # aggregator 100 ms away would carry 640 KB/s until gRPC's BDP probe (left on) grew the window,
+        # which takes several round trips of traffic. The probe still sets the window from then on.
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
+    if connection:
+        options += [("grpc.use_local_subchannel_pool", 1), ("gradq.connection", connection)]
+    return options
 
 
 def keep_large_buffers() -> bool:

@@ -22,9 +22,9 @@ def test_window_admits_up_to_its_limit_per_shard_then_hands_slots_on_in_order() 
     window: ShardWindow[str] = ShardWindow(shards=2, limit=2)
     assert [window.admit(0, name) for name in ("a", "b", "c", "d")] == [True, True, False, False]
     assert window.admit(1, "x")  # another shard has its own slots
-    assert window.release(0) == "c"  # c takes over the settled push's slot
-    assert window.release(0) == "d"
-    assert window.release(0) is None and window.release(0) is None  # both slots free again
+    assert window.release(0, "a") == ["c"]  # c takes over the settled push's slot
+    assert window.release(0, "b") == ["d"]
+    assert window.release(0, "c") == [] and window.release(0, "d") == []  # both slots free again
     assert window.admit(0, "e") and window.admit(0, "f") and not window.admit(0, "g")
     assert window.admit(1, "y") and not window.admit(1, "z")
     assert window.drain(0) == ["g"] and window.drain(0) == []  # one shard's queue
@@ -35,7 +35,7 @@ def test_window_admits_up_to_its_limit_per_shard_then_hands_slots_on_in_order() 
 def test_window_without_a_limit_admits_everything() -> None:
     window: ShardWindow[int] = ShardWindow(shards=1, limit=None)
     assert all(window.admit(0, index) for index in range(100))
-    assert window.release(0) is None
+    assert window.release(0, 0) == []
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "2"])

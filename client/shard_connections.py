@@ -1,0 +1,102 @@
+"""Several connections to one shard, opened as its window asks for them, the pushes spread over them.
+
+Linux caps what one TCP connection keeps unacknowledged at tcp_wmem[2]
+(4 MiB by default): about 40 MB/s at 100 ms whatever the link. A shard whose
+window holds more than that opens another connection, up to
+``WindowSettings.max_connections``; a LAN's window never does. gRPC shares one
+connection among channels whose arguments are equal, so each extra channel
+gets its own subchannel pool and a distinct argument
+(gradq.proto.transport.channel_options' ``connection``). A push takes the open
+connection with the fewest bytes in flight; a resend may take another: the
+aggregator counts a (step, round key, rank) once whatever connection brought
+it. Extra connections stay open until the client closes (their stream keeps
+them pinged, so the next round finds their windows already grown).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["ShardConnections"]
+
+
+class _Transport(Protocol):
+    def send(self, request: bytes, sequence: int) -> Any: ...
+    def close(self) -> None: ...
+
+
+class ShardConnections:
+    """A ``PushTransport`` over one or more connections to a shard.
+
+    Args:
+        first: the transport over the shard's own channel (the one its Join and Watch use).
+        open_connection: opens connection ``index`` (1, 2, ...): its transport and what closes its channel.
+        wanted: how many connections the shard's window needs now (``ShardWindow.connections``).
+    """
+
+    def __init__(
+        self,
+        first: _Transport,
+        open_connection: Callable[[int], tuple[_Transport, Callable[[], None]]],
+        wanted: Callable[[], int],
+    ) -> None:
+        self._open_connection = open_connection
+        self._wanted = wanted
+        self._lock = threading.Lock()
+        self._transports: list[_Transport] = [first]
+        self._closers: list[Callable[[], None]] = []
+        self._in_flight: list[int] = [0]  # request bytes not yet answered, per connection
+        self._closed = False
+
+    @property
+    def opened(self) -> int:
+        """Connections opened so far (the first included)."""
+        return len(self._transports)
+
+    def in_flight(self) -> list[int]:
+        """Request bytes not yet answered on each connection."""
+        with self._lock:
+            return list(self._in_flight)
+
+    def send(self, request: bytes, sequence: int) -> Any:
+        """Send on the least loaded of the connections the window wants, opening any it lacks.
+
+        Raises:
+            ValueError: the transport is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("the shard's connections are closed")
+            wanted = max(1, self._wanted())
+            while len(self._transports) < wanted:
+                transport, closer = self._open_connection(len(self._transports))
+                self._transports.append(transport)
+                self._closers.append(closer)
+                self._in_flight.append(0)
+            usable = range(min(wanted, len(self._transports)))
+            index = min(usable, key=self._in_flight.__getitem__)
+            self._in_flight[index] += len(request)
+            transport = self._transports[index]
+        try:
+            reply = transport.send(request, sequence)
+        except BaseException:
+            self._settled(index, len(request))
+            raise
+        reply.add_done_callback(lambda _: self._settled(index, len(request)))
+        return reply
+
+    def _settled(self, index: int, nbytes: int) -> None:
+        with self._lock:
+            self._in_flight[index] -= nbytes
+
+    def close(self) -> None:
+        """Close every connection's transport, then the extra channels."""
+        with self._lock:
+            self._closed = True
+            transports, closers = list(self._transports), list(self._closers)
+        for transport in transports:
+            transport.close()
+        for closer in closers:
+            closer()
