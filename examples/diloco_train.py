@@ -1,7 +1,7 @@
 """One host of a DiLoCo job through gradq: H local AdamW steps, then one outer round over the slow link.
 
 Start the aggregator once, then this script once per host (a single process
-here; under torchrun, one torchrun per host, whose ranks train a DDP model
+here, with plain ``python`` and no process group; under torchrun, one torchrun per host, whose ranks train a DDP model
 inside it, or with ``--inside fsdp`` an FSDP2 model sharded over them), every
 host with the same job id::
 
@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -73,16 +72,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help="windows per inner step (of this host's ranks each)")
     parser.add_argument("--token-weighted", action="store_true", help="weigh each host's pseudo-gradient by its tokens")
     parser.add_argument(
-        "--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="the most elements one round key carries"
+        "--bucket-elements",
+        type=int,
+        help=f"the most elements one round key carries (unset: {DEFAULT_BUCKET_ELEMENTS}, lowered to fit --fragments)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # hosts emulated on one machine share its cores
-    if "RANK" not in os.environ:  # a single process: a process group of its own
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:  # under torchrun: the host's ranks train together over their process group
+        dist.init_process_group("gloo")
     torch.manual_seed(args.init_seed)  # with the outer step on the aggregator, every host takes the first's
     model: nn.Module = CharTransformer(args.width, args.layers)
-    rank, ranks = dist.get_rank(), dist.get_world_size()
+    # A host of one process started with plain `python` needs no process group.
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if ranks > 1 and args.inside == "fsdp":  # sharded over the host's ranks: each holds a shard of every block
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block)
@@ -161,7 +162,8 @@ def main() -> None:
             (args.report / f"{report}.json").write_text(json.dumps(figures))
             torch.save(diloco.global_parameters, args.report / f"{report}.pt")
     print(f"host {args.data_seed}: round {diloco.outer_round}, held-out loss {held_out_loss:.4f}", flush=True)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _die_during(diloco: DiLoCo, round_: int) -> None:
@@ -178,12 +180,6 @@ def _kill_soon() -> None:
 def _digest(tensors: list[torch.Tensor]) -> str:
     """sha256 of the tensors' bytes: equal digests, bit-identical tensors."""
     return hashlib.sha256(b"".join(tensor.detach().numpy().tobytes() for tensor in tensors)).hexdigest()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 if __name__ == "__main__":

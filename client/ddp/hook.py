@@ -33,6 +33,7 @@ from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.session.member import dropped_from_job
 from gradq.client.session.residuals import ParameterResiduals
+from gradq.client.session.training_log import TrainingSummary
 from gradq.client.stats import ClientStats
 from gradq.client.torch_support import require_torch
 from gradq.client.worker import WorkerClient
@@ -78,8 +79,8 @@ class GradqHookState:
         "_rejoin",  # elastic: this host was dropped during the step; it rejoins after the optimizer's step
         "_session",  # the connected session (None before the first bucket); left out of the pickled form
         "_shared",  # elastic: the objects (model, optimizer, ...) whose state a joiner receives
+        "_summary",  # steps, rejoins, bytes of this run: logged once at its end (training_log)
         "process_group",  # DDP's group; left out of the pickled form
-        "rejoins",  # elastic: times this host was dropped (silent past the keepalive) and joined again
         "step",  # iteration counter: with the bucket index, the round key
     )
 
@@ -134,7 +135,7 @@ class GradqHookState:
         self._shared: list[Any] = []
         self._closed = False
         self._rejoin = False
-        self.rejoins = 0
+        self._summary = TrainingSummary(self, "DDP hook")
 
     @classmethod
     def from_config(cls, config: GradqConfig, process_group: dist.ProcessGroup | None = None) -> "GradqHookState":
@@ -332,7 +333,11 @@ class GradqHookState:
         if not (self._config.elastic_hosts and shares_optimizer and dropped_from_job(error)):
             return False
         if not self._rejoin:
-            log.warning("this host was dropped from its elastic job (%s); it rejoins after this step", error)
+            log.warning(
+                "this host was dropped from its elastic job (%s); it rejoins after this step and takes the "
+                "training state from a live host",
+                error,
+            )
         self._rejoin = True
         return True
 
@@ -351,10 +356,19 @@ class GradqHookState:
         self._session = None
         session = self._connected()
         self.step = session.member.receive(self._shared, self.step)
-        self.rejoins += 1
+        self._summary.rejoins += 1
         log.warning(
-            "rejoined %s as member %s at step %d", session.job_id, self.client.rank if self.client else "?", self.step
+            "rejoined job %s as member %s at step %d (rejoins so far: %d)",
+            session.job_id,
+            session.member.rank,
+            self.step,
+            self.rejoins,
         )
+
+    @property
+    def rejoins(self) -> int:
+        """Elastic: times this host was dropped (silent past the keepalive) and joined again."""
+        return self._summary.rejoins
 
     def world(self) -> JobWorld | None:
         """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
@@ -371,10 +385,14 @@ class GradqHookState:
         return self._session.stats() if self._session is not None else None
 
     def close(self) -> None:
-        """Leave the job and close the channels; idempotent. The hook refuses buckets afterwards."""
+        """Leave the job and close the channels; idempotent. The hook refuses buckets afterwards.
+
+        Logs the run's summary (once; a state never closed logs it when collected or at exit).
+        """
         self._closed = True
         if self._session is not None:
             self._session.close()
+        self._summary.close()
 
     def __enter__(self) -> "GradqHookState":
         return self
@@ -393,6 +411,7 @@ class GradqHookState:
             session = GradqSession.connect(self._config, self.process_group, model_signature=signature)
             session.residuals.load_state_dict(self._loaded.state_dict())
             session.failures.absorb = self._absorb
+            self._summary.attach(session.events)
             self._session, self._loaded = session, ParameterResiduals(None, self._config.codec)
         return self._session
 
@@ -432,6 +451,7 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     if last:
         # DDP launches buckets in index order, so the last one closes the iteration on every rank.
         state.step += 1
+        state._summary.steps += 1
         session.end_step()
     return reduced
 

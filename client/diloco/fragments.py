@@ -11,6 +11,10 @@ Where the fragment's update lands, the host's own parameters of the fragment
 become ``alpha * local + (1 - alpha) * global`` (alpha 0: the global
 parameters, as plain DiLoCo).
 
+The fragments are whole round keys, so a model needs at least F of them:
+when the user leaves ``bucket_elements`` unset, ``choose_buckets`` cuts the
+model into smaller round keys until there are (down to one tensor each).
+
 Because ``delay`` is below ``sync_every / F``, the last fragment's update
 lands at the outer round's last inner step, before the next round's first
 fragment starts: at every multiple of ``sync_every`` no round is in flight
@@ -23,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FragmentSchedule", "split_buckets"]
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "FragmentSchedule", "choose_buckets", "cut_buckets", "split_buckets"]
+
+DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4M elements (16 MiB of fp32) per round key: rounds pipeline, memory stays flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +81,78 @@ class FragmentSchedule:
         return self.lands(inner_steps + self.delay)
 
 
+def cut_buckets(numels: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """[begin, end) runs of tensors of ``numels`` elements, of at most ``limit`` elements each (a larger one alone)."""
+    buckets, begin, size = [], 0, 0
+    for index, numel in enumerate(numels):
+        if size and size + numel > limit:
+            buckets.append((begin, index))
+            begin, size = index, 0
+        size += numel
+    if size or begin < len(numels):
+        buckets.append((begin, len(numels)))
+    return buckets
+
+
+def choose_buckets(numels: Sequence[int], fragments: int, bucket_elements: int | None) -> list[tuple[int, int]]:
+    """The round keys of a model of tensors of ``numels`` elements: runs of tensors, at least one per fragment.
+
+    Args:
+        numels: the trainable tensors' sizes, in the model's order (the same on every host).
+        fragments: F, the fragments the round keys are cut into.
+        bucket_elements: the most elements one round key carries, as the user set it;
+            None: ``DEFAULT_BUCKET_ELEMENTS``, lowered (halved, down to one tensor
+            per key) until the model makes at least F round keys.
+
+    Raises:
+        ValueError: fewer tensors than fragments, or a ``bucket_elements`` that makes
+            fewer round keys than fragments; the message gives the model's size and what to set.
+    """
+    total = sum(numels)
+    if len(numels) < fragments:
+        raise ValueError(
+            f"fragments={fragments} but the model has {len(numels)} trainable tensors ({total:,} parameters); "
+            f"a fragment is at least one whole tensor: expected fragments <= {len(numels)}"
+        )
+    if bucket_elements is not None:
+        buckets = cut_buckets(numels, bucket_elements)
+        if len(buckets) < fragments:
+            fits = _largest_limit(numels, fragments)
+            raise ValueError(
+                f"fragments={fragments} but bucket_elements={bucket_elements:,} cuts the model's {total:,} "
+                f"parameters ({len(numels)} tensors) into {len(buckets)} round key(s); expected at least one per "
+                f"fragment: set bucket_elements <= {fits:,}, or leave it unset and DiLoCo chooses"
+            )
+        return buckets
+    limit = min(DEFAULT_BUCKET_ELEMENTS, max(1, -(-total // fragments)))
+    buckets = cut_buckets(numels, limit)
+    while len(buckets) < fragments:  # runs of small tensors fill keys unevenly: smaller keys, down to one tensor each
+        limit = max(1, limit // 2)
+        buckets = cut_buckets(numels, limit)
+    return buckets
+
+
+def _largest_limit(numels: Sequence[int], fragments: int) -> int:
+    """The largest ``bucket_elements`` that cuts tensors of ``numels`` into at least ``fragments`` round keys."""
+    low, high = 1, max(1, sum(numels))  # 1 cuts one tensor per key, enough as len(numels) >= fragments
+    while low < high:  # fewer keys as the limit grows: the largest limit that still makes enough
+        middle = (low + high + 1) // 2
+        if len(cut_buckets(numels, middle)) >= fragments:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def split_buckets(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     """Cut the round keys (buckets of ``sizes`` elements, in order) into ``fragments`` runs of about equal size.
 
     Raises:
-        ValueError: fewer buckets than fragments (lower bucket_elements, or fewer fragments).
+        ValueError: fewer buckets than fragments (``choose_buckets`` makes enough).
     """
     if len(sizes) < fragments:
         raise ValueError(
-            f"fragments={fragments} but the model is {len(sizes)} round keys (bucket_elements); expected at least "
-            f"one per fragment: lower bucket_elements or use fewer fragments"
+            f"fragments={fragments} but there are {len(sizes)} round keys; expected at least one per fragment"
         )
     total, runs, key = sum(sizes), [], 0
     done = 0

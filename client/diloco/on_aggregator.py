@@ -140,7 +140,7 @@ class GlobalState:
             for key, flat in enumerate(self.flat)
             for round_key, begin, end in session.round_keys(key, flat.numel())
         ]
-        if session.host.sharded and session.host.local_size > 1:
+        if session.host.sharded and session.host.local_size > 1 and session.group is not None:
             gathered: list[Any] = [None] * session.host.local_size
             dist.all_gather_object(gathered, mine, group=session.group)
             mine = [entry for rounds in gathered for entry in rounds]
@@ -223,7 +223,9 @@ class GlobalState:
                 step, round_key, keys_on[shard], parameters.numpy(), momentum.numpy()
             )
             mismatched += not matched or held_step != step
-        if session.host.local_size > 1:  # no rank leaves (for the host) while another still asks
+        if (
+            session.host.local_size > 1 and session.group is not None
+        ):  # no rank leaves (for the host) while another still asks
             counted = torch.tensor([mismatched])
             dist.all_reduce(counted, group=session.group)
             mismatched = int(counted.item())
@@ -265,7 +267,8 @@ class GlobalState:
         return step
 
     def _share_within_host(self, session: GradqSession) -> None:
-        if session.host.local_size > 1 and not session.host.sharded:  # a host of shards holds no common copy
+        # A host of shards holds no common copy; a host of one process has no one to share it with.
+        if session.host.local_size > 1 and not session.host.sharded and session.group is not None:
             source = dist.get_global_rank(session.group, 0)
             for tensor in (*self.flat, *self.momentum):
                 dist.broadcast(tensor, src=source, group=session.group)

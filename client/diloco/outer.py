@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradq.client.config import GradqConfig
-from gradq.client.diloco.fragments import FragmentSchedule, split_buckets
+from gradq.client.diloco.fragments import DEFAULT_BUCKET_ELEMENTS, FragmentSchedule, choose_buckets, split_buckets
 from gradq.client.diloco.on_aggregator import GlobalState, outer_step_of
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
@@ -67,6 +67,7 @@ from gradq.client.session.elastic import check_shareable, model_signature
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
 from gradq.client.session.member import dropped_from_job
+from gradq.client.session.training_log import TrainingSummary
 from gradq.client.stats import ClientStats
 from gradq.client.torch_support import is_fsdp2_module, require_torch
 from gradq.qcore.outer_step import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
@@ -75,7 +76,6 @@ __all__ = ["DEFAULT_BUCKET_ELEMENTS", "OUTER_STEP_PLACES", "DiLoCo", "default_ou
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_ELEMENTS = 1 << 22  # 4M elements (16 MiB of fp32) per round key: rounds pipeline, memory stays flat
 OUTER_STEP_PLACES = ("aggregator", "hosts")  # where the outer step runs (see the module docstring)
 
 
@@ -108,8 +108,11 @@ class DiLoCo:
             of its steps end with an outer round.
         outer_optimizer: over ``model``'s parameters; None: ``default_outer_optimizer``.
         sync_every: H, the inner steps between outer rounds.
-        process_group: the host's ranks (None: the default group of its own launch).
-        bucket_elements: the most elements one round key carries.
+        process_group: the host's ranks (None: the default group of its own launch;
+            a host of one process started without a launcher needs none).
+        bucket_elements: the most elements one round key carries; None (the default):
+            ``DEFAULT_BUCKET_ELEMENTS``, lowered with ``fragments`` > 1 until every
+            fragment has a round key of its own.
         outer_step: where the outer step runs, one of ``OUTER_STEP_PLACES``:
             "aggregator" (the default; ``outer_optimizer`` must then be SGD
             without dampening or weight decay) or "hosts".
@@ -148,7 +151,7 @@ class DiLoCo:
         outer_optimizer: torch.optim.Optimizer | None = None,
         sync_every: int = 50,
         process_group: dist.ProcessGroup | None = None,
-        bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+        bucket_elements: int | None = None,
         outer_step: str = "aggregator",
         quorum: int = 0,
         grace_s: float = 1.0,
@@ -160,8 +163,10 @@ class DiLoCo:
         require_torch("diloco")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} is invalid; expected an integer >= 1 (inner steps per round)")
-        if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 1:
-            raise ValueError(f"bucket_elements={bucket_elements!r} is invalid; expected an integer >= 1")
+        if bucket_elements is not None and (
+            isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 1
+        ):
+            raise ValueError(f"bucket_elements={bucket_elements!r} is invalid; expected an integer >= 1 (None: chosen)")
         if not config.elastic_hosts:
             raise ValueError(
                 "elastic_hosts=0: DiLoCo's hosts are the members of an elastic job; set elastic_hosts "
@@ -193,7 +198,9 @@ class DiLoCo:
         self.outer_optimizer = outer_optimizer or default_outer_optimizer(self.parameters)
         _check_outer_optimizer(self.outer_optimizer, self.parameters)
         self.sync_every, self.process_group = sync_every, process_group
-        self.buckets = _buckets(self.parameters, bucket_elements)
+        self.schedule = FragmentSchedule(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
+        numels = [param.numel() for param in self.parameters]
+        self.buckets = choose_buckets(numels, fragments, bucket_elements)  # [begin, end) of each round key
         self.outer_step = outer_step
         # outer_step="aggregator": this host's copy of the job's global state, as the aggregator holds it.
         self.on_aggregator: GlobalState | None = None
@@ -206,13 +213,11 @@ class DiLoCo:
         self.outer_round = 0  # the next outer round: the job's step
         self.inner_steps = 0  # inner steps taken, in all
         self.session: GradqSession | None = None
-        self.rejoins = 0  # times this host was dropped and joined again
+        self.summary = TrainingSummary(self, "DiLoCo")  # rounds, rejoins, bytes: logged once at the end
         self.semi_sync = (quorum, float(grace_s)) if quorum else None
-        self.schedule = FragmentSchedule(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
-        sizes = [sum(param.numel() for param in self.parameters[begin:end]) for begin, end in self.buckets]
+        sizes = [sum(numels[begin:end]) for begin, end in self.buckets]
         self.fragment_keys = split_buckets(sizes, fragments)  # the round keys of each fragment
         self._in_flight: tuple[int, list[Any]] | None = None  # a fragment whose round started, and its pushes
-        self.late_rounds = 0  # semi-synchronous: rounds this host was late for (merged, then it took the state)
         self.token_weighted = bool(token_weighted)
         self.tokens = 0  # token_weighted: the tokens this rank has counted (count_tokens), in all
         self._tokens_at_push = [0] * len(self.buckets)  # ... when each round key was last pushed
@@ -296,9 +301,9 @@ class DiLoCo:
         if not self.token_weighted:
             return [0] * len(keys)
         counted = torch.tensor([self.tokens - self._tokens_at_push[key] for key in keys], dtype=torch.int64)
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if dist.get_world_size(group) > 1:  # the host's ranks trained on their own batches: the host's sum
-            dist.all_reduce(counted, group=group)
+        session = self._connected()
+        if session.host.local_size > 1 and session.group is not None:  # the host's ranks trained on their own batches
+            dist.all_reduce(counted, group=session.group)
         weights = [int(weight) for weight in counted.tolist()]
         if min(weights) < 1:
             raise ValueError(
@@ -329,12 +334,19 @@ class DiLoCo:
                 f"DiLoCo cannot fall back ({session.mode!r}): its hosts have no common process group "
                 f"across the link; start the aggregator, or set fallback='error' to be told at once"
             )
+        self.summary.attach(session.events)
         return session
 
     def _host_of_shards(self) -> HostGroup:
         """An FSDP2 host: its ranks are one member, each pushing its own shards whole (see HostGroup.sharded)."""
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        assert group is not None, "torch.distributed is not initialized"
+        group = self.process_group
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            raise RuntimeError(
+                "DiLoCo over an FSDP2 model: its ranks hold the shards, and torch.distributed is not initialized; "
+                "expected torch.distributed.init_process_group() (as FSDP2 itself needs) or process_group="
+            )
         size = dist.get_world_size(group)
         return HostGroup(0, self.config.elastic_hosts, dist.get_rank(group), size, size, None, None, sharded=True)
 
@@ -362,17 +374,29 @@ class DiLoCo:
             state.seed(session, self.outer_round)
 
     def close(self) -> None:
-        """Stop syncing and leave the job; idempotent."""
+        """Stop syncing and leave the job; idempotent. Logs the run's summary (once)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         if self.session is not None:
             self.session.close()
+        self.summary.close()
+
+    @property
+    def rejoins(self) -> int:
+        """Times this host was dropped (silent past the keepalive) and joined again."""
+        return self.summary.rejoins
+
+    @property
+    def late_rounds(self) -> int:
+        """Semi-synchronous: rounds this host was late for (merged, then it took the state)."""
+        return self.summary.late_rounds
 
     # -- the outer round --------------------------------------------------------------------------
 
     def _after_inner_step(self, *_: Any) -> None:
         self.inner_steps += 1
+        self.summary.steps += 1
         if self.schedule.fragments == 1:
             if self.inner_steps % self.sync_every == 0:
                 self.sync()
@@ -478,6 +502,7 @@ class DiLoCo:
                 self.parameters[index].lerp_(mine.to(self.parameters[index].dtype), alpha)
         if last:
             self.outer_round += 1
+            self.summary.rounds += 1
             # The boundary a joiner enters at: the model holds the new global parameters.
             session.member.serve_joiners(self._shared(), self.outer_round)
 
@@ -500,6 +525,7 @@ class DiLoCo:
         if not last:
             return
         self.outer_round += 1
+        self.summary.rounds += 1
         if session.member.joins != state.seeded_joins:
             # The worker client joined again: a restarted aggregator, which holds no global state. Seed it.
             log.warning("the aggregator of %s was restarted; seeding it with this host's global state", session.job_id)
@@ -517,7 +543,7 @@ class DiLoCo:
         self.inner_steps = self.outer_round * self.sync_every
         self._restart_token_counts()
         self._in_flight = None  # the rounds of this outer round it had started are the job's past now
-        self.late_rounds += 1
+        self.summary.late_rounds += 1
 
     def _rejoin(self, error: AggregationError) -> None:
         """This host was dropped (it fell silent past the keepalive): join again as a joiner, take the state.
@@ -525,13 +551,19 @@ class DiLoCo:
         Its local steps of the round it missed are dropped with it: it
         continues from the global state a live host sends, never from its own.
         """
-        log.warning("this host was dropped from %s (%s); rejoining as a joiner", self.config.job_id, error.details)
-        assert self.session is not None
-        self.session.close()
+        session = self._connected()
+        log.warning(
+            "this host was dropped from job %s (%s); rejoining as a joiner, it takes the global state",
+            session.job_id,
+            error.details,
+        )
+        session.close()
         self.session = self._connect()
         self._enter()
-        self.rejoins += 1
-        log.warning("rejoined %s at outer round %d", self.config.job_id, self.outer_round)
+        self.summary.rejoins += 1
+        log.warning(
+            "rejoined job %s at outer round %d (rejoins so far: %d)", session.job_id, self.outer_round, self.rejoins
+        )
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -664,19 +696,6 @@ def _late(error: AggregationError) -> bool:
     gradq.server.outer_state); the aggregator made it pending, as a late host.
     """
     return error.refusal in ("LATE", "BEHIND")
-
-
-def _buckets(parameters: Sequence[nn.Parameter], limit: int) -> list[tuple[int, int]]:
-    """[begin, end) runs of ``parameters`` of at most ``limit`` elements each (a larger parameter alone)."""
-    buckets, begin, size = [], 0, 0
-    for index, param in enumerate(parameters):
-        if size and size + param.numel() > limit:
-            buckets.append((begin, index))
-            begin, size = index, 0
-        size += param.numel()
-    if size or begin < len(parameters):
-        buckets.append((begin, len(parameters)))
-    return buckets
 
 
 def _check_outer_optimizer(optimizer: torch.optim.Optimizer, parameters: Sequence[nn.Parameter]) -> None:

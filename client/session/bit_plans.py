@@ -33,12 +33,12 @@ class BitPlans:
         buffer: torch.Tensor,
         low: QuantConfig,
         average_bits: float,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
     ) -> list[tuple[int, Piece]]:
         """The pieces of the flat ``buffer`` laying ``params`` end to end, planned the first time its layout is seen.
 
         Each parameter's error is averaged over the ranks of ``group`` (one small
-        allreduce per new layout), so every rank chooses the same bits.
+        allreduce per new layout; None: this process alone), so every rank chooses the same bits.
         """
         ids = [id(param) for param in params]
         known = self._plans.get(key)
@@ -55,8 +55,9 @@ class BitPlans:
             for index, numel in enumerate(numels):
                 errors[index] = relative_error_at(buffer[offset : offset + numel].float().cpu().numpy(), low)
                 offset += numel
-            dist.all_reduce(errors, group=group)
-            errors /= dist.get_world_size(group)
+            if group is not None:
+                dist.all_reduce(errors, group=group)
+                errors /= dist.get_world_size(group)
             described = [
                 ParameterGradient(numel, param.dim(), float(error))
                 for numel, param, error in zip(numels, params, errors, strict=True)

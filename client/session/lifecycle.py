@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 EXIT_LEAVE_TIMEOUT_S = 2.0
 
 
-def draw_run_names(group: dist.ProcessGroup, job_id: str | None) -> tuple[str, str]:
+def draw_run_names(group: dist.ProcessGroup | None, job_id: str | None) -> tuple[str, str]:
     """(job id, incarnation) for this run, the same on every rank of ``group``.
 
     Args:
-        group: the process group the loop reduces over (a collective: every rank calls this).
+        group: the process group the loop reduces over (a collective: every rank calls this);
+            None: this process alone, which draws them itself.
         job_id: the configured job id; None lets rank 0 draw one.
 
     Returns:
@@ -43,6 +44,8 @@ def draw_run_names(group: dist.ProcessGroup, job_id: str | None) -> tuple[str, s
     A rank configured with another job id than rank 0's takes rank 0's (and
     logs a warning), so all of them join one job.
     """
+    if group is None:
+        return job_id or f"ddp-{uuid.uuid4().hex}", uuid.uuid4().hex
     drawn = [(job_id or f"ddp-{uuid.uuid4().hex}", uuid.uuid4().hex) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(drawn, src=dist.get_global_rank(group, 0), group=group)
     assert drawn[0] is not None, "broadcast_object_list filled the list"

@@ -111,7 +111,7 @@ class ElasticMember:
                 received[0] = (error.address, error.details)
                 if host.local_size == 1:
                     raise
-        if host.local_size > 1:
+        if host.local_size > 1 and session.group is not None:
             dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
             client.catch_up = False
         if len(received[0]) == 2:

@@ -37,6 +37,7 @@ from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_
 from gradq.client.session.lifecycle import Membership, draw_run_names
 from gradq.client.session.member import ElasticMember
 from gradq.client.session.residuals import ParameterResiduals
+from gradq.client.session.training_log import SessionEvents, show_gradq_logs
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
 from gradq.qcore.outer_step import OuterStep
@@ -62,6 +63,7 @@ class GradqSession:
         "_sender_pool",  # one thread that encodes and sends off the caller's thread
         "client",  # the joined WorkerClient (None under a fallback)
         "config",  # the frozen configuration this session was connected with
+        "events",  # what the user is told: connected, hosts lost and joined, failed rounds (training_log)
         "failures",  # failures held until the backward pass ends, then raised typed
         "group",  # the process group the loop reduces over
         "host",  # this rank's place among the job's hosts
@@ -76,7 +78,7 @@ class GradqSession:
     def __init__(
         self,
         config: GradqConfig,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         job_id: str,
         incarnation: str,
         host: HostGroup,
@@ -89,6 +91,7 @@ class GradqSession:
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
         self.member = ElasticMember(self)
+        self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0)
         self._closed = False
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -107,7 +110,9 @@ class GradqSession:
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
-        Collective over ``group`` (None: the default group). Every connect is a
+        Collective over ``group`` (None: the default group, or this process
+        alone when torch.distributed is not initialized: a one-process host
+        needs no process group). Every connect is a
         new incarnation of the job (rank 0 draws it), so a rerun or a torchrun
         restart with the same job id starts the job afresh.
 
@@ -125,16 +130,21 @@ class GradqSession:
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
                 fix: the message names both sides' values), or it could not be
-                reached and ``config.fallback`` is "error".
+                reached and ``config.fallback`` is "error" (or there is nothing
+                to fall back over); the message says what to check.
+            RuntimeError: a launcher started several ranks, but torch.distributed is not initialized.
         """
-        group = group if group is not None else dist.group.WORLD
-        assert group is not None, "torch.distributed is not initialized"
+        show_gradq_logs()
+        group = _loop_group(group)
         job_id, incarnation = draw_run_names(group, config.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
         if host is not None:
             if config.elastic_hosts and not host.sharded:
                 raise ValueError(f"elastic_hosts={config.elastic_hosts}: this adapter's jobs are not elastic yet")
             job_ranks = host.hosts * host.member_ranks
+        elif group is None:  # this process alone: one member of one rank
+            host = HostGroup(0, config.elastic_hosts or 1, 0, 1, 1, None, None)
+            job_ranks = config.elastic_hosts or 1
         elif config.elastic_hosts:
             host = elastic_host(group, config.elastic_hosts, config.timeout_s)
             job_ranks = config.elastic_hosts * host.local_size
@@ -171,12 +181,14 @@ class GradqSession:
         client, failure = _join_host(group, host, client_for, config, incarnation)
         outcome = _JOINED if failure is None else _REFUSED if _refused(failure) else _UNREACHABLE
         agreed = torch.tensor([outcome], dtype=torch.int32)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        if agreed.item() == _JOINED:
-            assert client is not None
+        if group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        if agreed.item() == _JOINED and client is not None:
             if config.elastic_hosts:  # the member id the aggregator assigned, and the run joined
                 host, incarnation = replace(host, host=client.rank), client.incarnation
-            return cls(config, group, job_id, incarnation, host, client, "gradq")
+            session = cls(config, group, job_id, incarnation, host, client, "gradq")
+            session.events.connected(config, host)
+            return session
         if client is not None:
             client.close()
         if agreed.item() == _REFUSED:
@@ -190,13 +202,15 @@ class GradqSession:
                 "the aggregator refused another rank's Join; that rank's error says why",
             )
         where = str(failure) if failure else "another rank could not reach the aggregator"
-        if config.fallback == "error":
+        if config.fallback == "error" or group is None:
             raise AggregationError(
                 failure.address if failure else ",".join(config.addresses),
                 failure.code if failure else None,
-                f"unreachable at start ({where}); choose fallback='allreduce' or 'allgather' to train without it",
+                f"unreachable at start ({where}); {_unreachable_advice(config, group)}",
             )
-        log.warning("aggregator unreachable (%s); falling back to %s", where, config.fallback)
+        log.warning(
+            "aggregator unreachable (%s); falling back to %s: training goes on without gradq", where, config.fallback
+        )
         return cls(config, group, job_id, incarnation, host, None, config.fallback)
 
     def reduce(
@@ -247,6 +261,7 @@ class GradqSession:
         reduced = push_segments(
             host, client, values, step, segments, grids, config.codec, self._sender(), self._gatherer(), weight
         )
+        reduced.add_done_callback(self.events.round_ended)
         return reduced
 
     def round_keys(self, key: int, numel: int) -> list[tuple[int, int, int]]:
@@ -271,6 +286,7 @@ class GradqSession:
     def end_step(self) -> None:
         """The caller has reduced every tensor of this step (DDP: after its last bucket)."""
         self.residuals.end_step()
+        self.events.see_world(self.world())
         # The step's freed buffers stay in the heap for the next step's: a malloc_trim here cost about 8 ms of
         # CPU per rank and step (the trim, and the page faults of taking the pages back) and did not lower the
         # peak (bench/results/worker-memory.md).
@@ -332,8 +348,46 @@ class GradqSession:
         return self._gather_pool
 
 
+def _loop_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group a loop reduces over: ``group``, else the default one; None: this process alone, no group at all.
+
+    Raises:
+        RuntimeError: a launcher (torchrun) started several ranks, but torch.distributed is not initialized.
+    """
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    launched = os.environ.get("WORLD_SIZE", "").strip()
+    if launched not in ("", "1"):
+        raise RuntimeError(
+            f"WORLD_SIZE={launched!r}: a launcher started this process as one of {launched} ranks, but "
+            "torch.distributed is not initialized; expected torch.distributed.init_process_group() before gradq "
+            "connects (a host's ranks reduce together over it), or one process started without the launcher"
+        )
+    return None
+
+
+def _unreachable_advice(config: GradqConfig, group: dist.ProcessGroup | None) -> str:
+    """What a user whose aggregator cannot be reached can do, for this kind of job."""
+    port = config.addresses[0].rpartition(":")[2] or "<port>"
+    check = (
+        f"check that an aggregator runs at {','.join(config.addresses)} and that this host reaches it "
+        f"(start one with `gradq serve --port {port}`); one that starts slowly needs a longer "
+        f"connect_timeout_s={config.connect_timeout_s:g} (GRADQ_CONNECT_TIMEOUT, seconds)"
+    )
+    if config.elastic_hosts:
+        return f"{check}. An elastic or DiLoCo host trains only through the aggregator: it has no fallback"
+    if group is None:
+        return f"{check}. A process without torch.distributed has no process group to fall back to"
+    return (
+        f"{check}; or train without gradq while it is down: fallback='allreduce' or 'allgather' "
+        f"(GRADQ_FALLBACK), now fallback={config.fallback!r}"
+    )
+
+
 def _join_host(
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     host: HostGroup,
     client_for: Any,
     config: GradqConfig,
@@ -365,7 +419,7 @@ def _join_host(
         client = client_for(ANY_RANK, incarnation)
         failure = join(client)
     joined: list[Any] = [(client.rank, client.incarnation) if client is not None and failure is None else None]
-    if host.local_size > 1:
+    if host.local_size > 1 and group is not None:
         dist.broadcast_object_list(joined, src=dist.get_global_rank(group, 0), group=group)
         if host.local_rank != 0 and joined[0] is not None:
             client = client_for(*joined[0])

@@ -42,7 +42,7 @@ def test_fragments_split_the_round_keys_by_size_one_at_least_each() -> None:
     assert split_buckets([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
     assert split_buckets([1, 1, 1, 100], 2) == [[0, 1, 2], [3]]
     assert split_buckets([5, 5, 5], 3) == [[0], [1], [2]]
-    with pytest.raises(ValueError, match=re.escape("fragments=4 but the model is 3 round keys (bucket_elements)")):
+    with pytest.raises(ValueError, match=re.escape("fragments=4 but there are 3 round keys; expected at least one per fragment")):
         split_buckets([5, 5, 5], 4)
 
 
@@ -53,7 +53,7 @@ def test_fragments_split_the_round_keys_by_size_one_at_least_each() -> None:
         ({"fragments": 3}, "fragments=3 does not divide sync_every=10"),
         ({"fragments": 2, "fragment_sync_delay": 5}, "fragment_sync_delay=5 is invalid; expected an integer in [0, 4]"),
         ({"fragments": 2, "fragment_update_alpha": 1.5}, "fragment_update_alpha=1.5 is invalid; expected a number"),
-        ({"fragments": 5}, "fragments=5 but the model is 2 round keys"),
+        ({"fragments": 5}, "fragments=5 but the model has 4 trainable tensors (144 parameters)"),
     ],
 )
 def test_bad_fragment_settings_are_refused_naming_the_field(settings: dict[str, float], message: str) -> None:
