@@ -5,6 +5,13 @@ Everything lives inside namespaces this module creates (names ``gradq-sw``,
 namespace holds one end of a veth pair whose other end is a bridge port, and
 the addresses come from 10.77.0.0/24, which exists nowhere else. Deleting the
 namespaces deletes the links, the bridge and the addresses with them. Needs root.
+
+With a round trip (``rtt_ms`` > 0) each host's link is instead a pair of TAP
+devices (the host's ``gq0`` and its bridge port) joined by a delay-line process
+(delay_line.py) that holds every frame for a quarter of the round trip in each
+direction: host to host crosses two links each way, so any two hosts (worker to
+aggregator, worker to worker) see the round trip asked for. Those links carry
+frames of up to delay_line.DEFAULT_MTU bytes; tbf shapes the same devices.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import delay_line
+
 __all__ = [
     "Host",
     "Topology",
@@ -23,6 +32,7 @@ __all__ = [
     "namespace_pids",
     "parse_hosts",
     "parse_rate",
+    "parse_rtt",
     "read_counters",
     "remove_namespaces",
 ]
@@ -72,6 +82,21 @@ def parse_rate(rate: str) -> float:
     return float(match.group(1)) * _RATE_SCALE[match.group(2)]
 
 
+def parse_rtt(text: str) -> float:
+    """Milliseconds of a round trip such as ``50`` or ``12.5``.
+
+    Raises:
+        ValueError: ``text`` is not a number >= 0.
+    """
+    try:
+        rtt_ms = float(text)
+    except ValueError:
+        rtt_ms = -1.0
+    if not 0.0 <= rtt_ms < 10_000.0:
+        raise ValueError(f"rtt={text!r} is invalid; expected a round trip in milliseconds, 0 <= rtt < 10000")
+    return rtt_ms
+
+
 def parse_hosts(text: str) -> tuple[int, int]:
     """(hosts, ranks per host) of a topology such as ``2x4``.
 
@@ -103,9 +128,11 @@ class Topology:
         aggregators: hosts gradq-a0.. in shard order.
     """
 
-    def __init__(self, workers: Sequence[Host], aggregators: Sequence[Host]) -> None:
+    def __init__(self, workers: Sequence[Host], aggregators: Sequence[Host], rtt_ms: float = 0.0) -> None:
         self.workers = list(workers)
         self.aggregators = list(aggregators)
+        self.rtt_ms = rtt_ms  # round trip between any two hosts; 0: plain veth links
+        self.delay_lines: list[delay_line.DelayLineProcess] = []  # one per host when rtt_ms > 0
         self._namespaces = [SWITCH, *(host.namespace for host in self.hosts)]
 
     @property
@@ -127,16 +154,23 @@ class Topology:
                     _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf])
 
     def close(self) -> None:
-        """Stop anything still running in the namespaces and delete them."""
+        """Stop the delay lines and anything still running in the namespaces, and delete them."""
+        for line in self.delay_lines:
+            line.stop()
+        self.delay_lines.clear()
         remove_namespaces(self._namespaces)
 
 
-def build_topology(workers: int, aggregators: int) -> Topology:
+def build_topology(workers: int, aggregators: int, rtt_ms: float = 0.0, delay_lines: bool | None = None) -> Topology:
     """Create the switch namespace, its bridge and one namespace per host, links up and unshaped.
 
     Args:
         workers: worker hosts (gradq-w0..).
         aggregators: aggregator hosts (gradq-a0..).
+        rtt_ms: round trip between any two hosts; 0 keeps veth links with no delay of their own,
+            more puts a delay line (rtt_ms / 4 each way) on every host's link.
+        delay_lines: True puts delay lines on the links even at rtt_ms 0 (to measure what they cost);
+            None: only when rtt_ms > 0.
 
     Raises:
         RuntimeError: a namespace of ours already exists (run with --cleanup) or a command failed;
@@ -145,16 +179,22 @@ def build_topology(workers: int, aggregators: int) -> Topology:
     leftovers = leftover_namespaces()
     if leftovers:
         raise RuntimeError(f"namespaces {', '.join(leftovers)} already exist; remove them with --cleanup first")
+    if not 0.0 <= rtt_ms < 10_000.0:
+        raise ValueError(f"rtt_ms={rtt_ms!r} is invalid; expected 0 <= rtt_ms < 10000")
     topology = Topology(
         [_host("w", index, WORKER_OFFSET) for index in range(workers)],
         [_host("a", index, AGGREGATOR_OFFSET) for index in range(aggregators)],
+        rtt_ms,
     )
     try:
         _run(["ip", "netns", "add", SWITCH])
         _run(["ip", "-n", SWITCH, "link", "add", BRIDGE, "type", "bridge"])
         _run(["ip", "-n", SWITCH, "link", "set", BRIDGE, "up"])
         for host in topology.hosts:
-            _add_host(host)
+            if delay_lines or (delay_lines is None and rtt_ms > 0.0):
+                topology.delay_lines.append(_add_delayed_host(host, rtt_ms / 4e3))
+            else:
+                _add_host(host)
     except BaseException:
         topology.close()
         raise
@@ -171,6 +211,22 @@ def _add_host(host: Host) -> None:
     _run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device])
     _run(["ip", "-n", host.namespace, "link", "set", host.device, "up"])
     _run(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+
+
+def _add_delayed_host(host: Host, delay_s: float) -> delay_line.DelayLineProcess:
+    _run(["ip", "netns", "add", host.namespace])
+    line = delay_line.start_delay_line((SWITCH, host.port), (host.namespace, host.device), delay_s)
+    try:
+        mtu = str(delay_line.DEFAULT_MTU)
+        _run(["ip", "-n", SWITCH, "link", "set", host.port, "mtu", mtu, "master", BRIDGE])
+        _run(["ip", "-n", SWITCH, "link", "set", host.port, "up"])
+        _run(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device])
+        _run(["ip", "-n", host.namespace, "link", "set", host.device, "mtu", mtu, "up"])
+        _run(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+    except BaseException:
+        line.stop()
+        raise
+    return line
 
 
 def leftover_namespaces() -> list[str]:
