@@ -10,9 +10,10 @@ gradq.server.membership's.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
+# Runs that ended (their last member left with a Leave) remembered at once, each for --job-idle-timeout, so a
+# host that comes back to one is told it ended; the oldest is forgotten first, so ending many jobs (a hostile
+# client can) holds at most this many keys, each a job id (at most MAX_JOB_ID_LENGTH) and an incarnation's
+# 16-byte digest (an incarnation has no length limit of its own).
+_ENDED_KEPT = 4096
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -117,6 +123,8 @@ class JobTable:
         self.closing = False
         self._jobs: dict[str, Job] = {}
         self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
+        # (job id, incarnation) -> when the run ended: every member left with a Leave (see ``ended``).
+        self._ended: OrderedDict[tuple[str, bytes], float] = OrderedDict()
 
     def join(self, spec: JobSpec, now: float, peer: str = "") -> tuple[Job, list[Retired], int]:
         """Register the member ``spec`` names with the current run of its job; idempotent, so it may rejoin.
@@ -152,6 +160,7 @@ class JobTable:
             if self.closing:
                 raise UnavailableError("the aggregator is shutting down; join another shard or retry after restart")
             job = self._jobs.get(job_id)
+            self._check_not_ended(spec, job, now)
             if job is not None and job.members.elastic != elastic:
                 raise FailedPreconditionError(
                     f"elastic={elastic} does not match {job.describe()}, which is "
@@ -194,7 +203,7 @@ class JobTable:
                 job = self._jobs[job_id] = self._new_job(spec, incarnation, now, (), peer)
             members = job.members
             members.check_join(spec.world_size, spec.job_ranks, spec.ranks, job.describe, spec.max_members)
-            members.check_model(spec.model_signature, job.describe)
+            self._check_model(job, spec)
             _check_rounds(job, spec)
             if spec.role is MemberRole.RESUMING and spec.rank in members.dropped:
                 raise FailedPreconditionError(
@@ -267,6 +276,10 @@ class JobTable:
         job.last_active = now
         return job
 
+    def current(self, job_id: str) -> Job | None:
+        """The current run of ``job_id``, whichever it is, else None. Caller holds ``lock``."""
+        return self._jobs.get(job_id)
+
     def find(self, job_id: str, incarnation: str) -> Job | None:
         """The current run of ``job_id`` if it is ``incarnation``, else None. Caller holds ``lock``."""
         job = self._jobs.get(job_id)
@@ -291,6 +304,8 @@ class JobTable:
                 return None, []
             job.last_active = now
             retired = [self._forget(job, f"every rank left {job.describe()}")] if job.members.empty else []
+            if retired:
+                self._remember_ended(job, now)
         log.info("leave rank %d from %s", rank, job.describe())
         return job, retired
 
@@ -308,8 +323,87 @@ class JobTable:
         """Every current job. Caller holds ``lock``."""
         return list(self._jobs.values())
 
+    def ended(self, job_id: str, incarnation: str, now: float) -> bool:
+        """Whether run ``incarnation`` of ``job_id`` ended here within --job-idle-timeout. Caller holds ``lock``.
+
+        A run ended when its last member left with a Leave: its hosts finished. One whose members were all
+        lost (their Watch streams ended without a Leave) did not; it stays until it expires, and a host
+        that comes back to it is told what became of it there.
+        """
+        self._forget_ended(now)
+        return _ended_key(job_id, incarnation) in self._ended
+
+    def _remember_ended(self, job: Job, now: float) -> None:
+        """``job``'s run ended (its last member left): remember it, bounded in count and time. Caller holds ``lock``."""
+        key = _ended_key(job.job_id, job.incarnation)
+        self._ended.pop(key, None)
+        self._ended[key] = now
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
+        self._forget_ended(now)
+
+    def _forget_ended(self, now: float) -> None:
+        """Forget ended runs older than --job-idle-timeout (oldest first). Caller holds ``lock``."""
+        while self._ended:
+            key, when = next(iter(self._ended.items()))
+            if now - when <= self.limits.job_idle_timeout_s:
+                return
+            del self._ended[key]
+
+    def _check_not_ended(self, spec: JobSpec, job: Job | None, now: float) -> None:
+        """Refuse a host that resumes (or waits to join) a run that ended: nobody is left to form it with.
+
+        Only an elastic host that holds the run's state (RESUMING) or was pending in it (JOINING) says it
+        belongs to that run; a STARTING Join with the same incarnation starts the job afresh, as before.
+        Caller holds ``lock``.
+
+        Raises:
+            FailedPreconditionError: JOB_ENDED, naming the job and its run.
+        """
+        if not spec.elastic or spec.role is MemberRole.STARTING:
+            return
+        live = job is not None and job.incarnation == spec.incarnation
+        if live or not self.ended(spec.job_id, spec.incarnation, now):
+            return
+        raise FailedPreconditionError(
+            f"job {spec.job_id!r} ({describe_incarnation(spec.incarnation)}) has ended: its other hosts finished "
+            f"and left; member {spec.rank} has no run to rejoin (start a new run of the job to train again)",
+            Refusal.JOB_ENDED,
+        )
+
+    def _check_model(self, job: Job, spec: JobSpec) -> None:
+        """Refuse a host whose model is not the job's; while an elastic job forms, a starting one is lost to it.
+
+        Caller holds ``lock``.
+
+        Raises:
+            FailedPreconditionError: MODEL_MISMATCH, saying whether the job forms without this host.
+        """
+        members = job.members
+        try:
+            members.check_model(spec.model_signature, job.describe)
+        except FailedPreconditionError as error:
+            if spec.role is not MemberRole.STARTING or not members.elastic or members.formed:
+                raise
+            reason = (
+                f"{error}; this host is refused and elastic {job.describe()} forms without it, with the hosts "
+                f"that agree, as if it had been lost"
+            )
+            member = members.refuse_starter(spec.rank, reason, self.limits.max_world_size, job.describe)
+            if member is None:
+                raise
+            log.warning(
+                "refused starting member %d of %s for its model: the job forms without it (%d joined; %s)",
+                member,
+                job.describe(),
+                len(members.joined),
+                "formed" if members.formed else "still forming",
+            )
+            raise FailedPreconditionError(reason, Refusal.MODEL_MISMATCH) from None
+
     def _new_job(self, spec: JobSpec, incarnation: str, now: float, superseded: tuple[str, ...], peer: str) -> Job:
         job_id, world_size, job_ranks = spec.job_id, spec.world_size, spec.job_ranks
+        self._ended.pop(_ended_key(job_id, incarnation), None)  # a new run under that incarnation: it has not ended
         members = Membership(world_size, job_ranks or world_size, job_ranks > 0, spec.elastic, spec.max_members)
         account = MemoryAccount(
             f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
@@ -347,6 +441,11 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
+
+
+def _ended_key(job_id: str, incarnation: str) -> tuple[str, bytes]:
+    """How an ended run is remembered: its job id and a digest of its incarnation (bounded in size)."""
+    return job_id, hashlib.blake2b(incarnation.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _elastic_run(job: Job, spec: JobSpec) -> str:

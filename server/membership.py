@@ -25,7 +25,9 @@ each host's model signature is a candidate; the first signature that a
 majority of the ``world_size`` starting hosts share becomes the job's, and the
 members that joined with another are refused by name (``refused``). A Join
 that meets a disagreement no majority has settled yet waits (the servicer
-holds it) rather than letting the fastest host decide.
+holds it) rather than letting the fastest host decide. A starting host refused
+for its model is a lost host: the job forms with the others, as a formed job
+goes on after losing one, instead of waiting for a host that never comes.
 
 Each member stands for ``ranks`` of the job's ranks: one, or a host's under
 two-level aggregation. ``job_ranks`` is the job's ranks in all (what the
@@ -170,12 +172,38 @@ class Membership:
         refused = sorted(member for member, theirs in holders.items() if theirs != model)
         for member in refused:
             message = describe_model_difference(holders[member], model, describe)
-            self.refused[member] = f"{message} (the model {count} of the hosts it starts with agree on)"
+            self.refused[member] = (
+                f"{message} (the model {count} of the {self.world_size} hosts it starts with agree on); member "
+                f"{member} is refused and the job goes on without it, with the hosts that agree"
+            )
             self.joined.discard(member)
             self.pending.pop(member, None)
         self.models.clear()
         self._form()
         return refused
+
+    def refuse_starter(self, rank: int, reason: str, limit: int, describe: Callable[[], str]) -> int | None:
+        """A starting host whose model is not the job's (decided already) joined while the job forms: it is lost.
+
+        It takes an id (``rank``, or the lowest free for ANY_RANK) that stays refused for this run, so the
+        job forms without it (``_form``). A host that asks again with ANY_RANK takes another id; that can
+        only make the job form sooner, never with fewer than a majority of the hosts it starts with.
+
+        Returns:
+            The id refused, or None: the id is a member's, or every id is taken (nothing changes).
+        """
+        if not self.elastic or self.formed:
+            return None
+        if rank == ANY_RANK:
+            try:
+                rank = self._lowest_free(limit, describe)
+            except ResourceExhaustedError:
+                return None
+        elif self.holds(rank, pending_ok=True):
+            return None
+        self.refused[rank] = reason
+        self._form()
+        return rank
 
     def model_undecided(self, member: int) -> bool:
         """Whether ``member`` joined with a model that disagrees with another member's, and no majority has
@@ -393,10 +421,14 @@ class Membership:
 
     def _form(self) -> None:
         """An elastic job forms once ``world_size`` members train on one model (never over a disagreement); a
-        run resumed after a restart once the members that were training are back (``reform_at``)."""
+        run resumed after a restart once the members that were training are back (``reform_at``).
+
+        Each starting host refused for its model (``refused``) is one fewer to wait for, down to a majority
+        of ``world_size``: the fewest that can have decided the model."""
         agree = len({self.models[m] for m in self.joined if m in self.models}) <= 1
         needed = min(self.world_size, self.reform_at) if self.reform_at else self.world_size
-        self.formed = self.formed or (self.elastic and len(self.joined) >= needed and agree)
+        needed = max(needed - len(self.refused), min(needed, self.world_size // 2 + 1))
+        self.formed = self.formed or (self.elastic and bool(self.joined) and len(self.joined) >= needed and agree)
 
     def _check_ranks_add_up(self, rank: int, ranks: int, describe: Callable[[], str]) -> None:
         """The ranks a fixed job's members stand for add up to ``job_ranks`` (an elastic host's, times world_size)."""

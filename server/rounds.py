@@ -137,7 +137,14 @@ class RoundTable:
                 f"this job could ever close short of ranks; start the aggregator with --partial-quorum of at most "
                 f"{ranks} (or 0: strict rounds), or give the job at least {quorum} ranks"
             )
-        job, retired, member = self.jobs.join(spec, self._clock(), peer)
+        with self.jobs.lock:
+            forming = (job := self.jobs.current(spec.job_id)) is not None and not job.members.formed
+        try:
+            job, retired, member = self.jobs.join(spec, self._clock(), peer)
+        except FailedPreconditionError as error:
+            if forming and error.refusal is Refusal.MODEL_MISMATCH:  # a starting host refused may let it form
+                self._formed_without_refused(spec.job_id)
+            raise
         self._retire(retired)
         with self.jobs.lock:
             members = job.members
@@ -152,6 +159,7 @@ class RoundTable:
             )
         if refused:
             self._fail_refused(job, refused)
+            self._formed_without_refused(job.job_id)
         if members.elastic:
             self.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
@@ -173,6 +181,20 @@ class RoundTable:
             job = self.jobs.find(job_id, incarnation)
             if job is not None:
                 job.members.forget_candidate(member)
+
+    def _formed_without_refused(self, job_id: str) -> None:
+        """Starting hosts were refused for their model: if the job formed without them, its rounds go on.
+
+        A refused starter is a lost host (``Membership.refuse_starter``): rounds that waited for the hosts
+        the job starts with now wait for the members training, and those that have them all finish now.
+        """
+        with self.jobs.lock:
+            job = self.jobs.current(job_id)
+            formed = job is not None and job.members.elastic and job.members.formed
+        if job is None or not formed:
+            return
+        self.membership_changed(job, "model_refused")
+        self.finish_rounds_complete(job, "starting hosts were refused for their model")
 
     def _fail_refused(self, job: Job, refused: list[int]) -> None:
         """The start quorum refused ``refused``'s model: fail the rounds in flight that hold their pushes.
