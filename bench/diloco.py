@@ -4,6 +4,7 @@ Run as root from the repository root with the virtualenv's interpreter::
 
     sudo .venv/bin/python bench/diloco.py                      # transformer and source-lm, 100 Mbit/s and 1 Gbit/s
     sudo .venv/bin/python bench/diloco.py --tasks transformer --rates 100mbit --steps 200
+    sudo .venv/bin/python bench/diloco.py --tasks transformer --rates 1gbit --rtt 100   # 100 ms between hosts
 
 Four hosts, each a network namespace whose one veth is shaped with tc's tbf in
 both directions (bench/netns.py), one rank each; the aggregator in a namespace
@@ -404,6 +405,7 @@ def render(rows: Sequence[Row], args: argparse.Namespace) -> str:
         "# DiLoCo over slow links",
         "",
         f"{args.hosts} hosts, one rank each, each host's link and the aggregator's shaped in both directions; "
+        f"{netns.describe_rtt(args.rtt)}; "
         f"AdamW; DDP fp32 trains {args.steps} steps and sets the target (its final held-out loss); the other rows "
         f"train until they reach it or {args.budget}x the steps. {os.cpu_count()} cores shared by all.",
         "",
@@ -456,6 +458,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gradq_rows = [key for key in METHODS if not key.startswith("torchft") and key != "compute-only"]
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=gradq_rows, help="rows (ddp first)")
     parser.add_argument("--hosts", type=int, default=4, help="hosts, one rank each")
+    netns.add_rtt_argument(parser)
     parser.add_argument("--steps", type=int, default=300, help="DDP's steps: the target's")
     parser.add_argument("--budget", type=float, default=2.0, help="the others' most steps, times --steps")
     parser.add_argument(
@@ -484,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench/diloco.py needs root (network namespaces and tc); run it with sudo", file=sys.stderr)
         return 2
     args.budget = int(args.budget) if float(args.budget).is_integer() else args.budget
-    topology = netns.build_topology(args.hosts, 1)
+    topology = netns.build_topology(args.hosts, 1, args.rtt)
     atexit.register(topology.close)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_on_signal)

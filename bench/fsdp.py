@@ -4,6 +4,7 @@ Run as root from the repository root with the virtualenv's interpreter::
 
     sudo .venv/bin/python bench/fsdp.py                          # 2x2 and 2x4 at 1 Gbit/s
     sudo .venv/bin/python bench/fsdp.py --hosts 2x2 --rates 100mbit --steps 20
+    sudo .venv/bin/python bench/fsdp.py --hosts 2x2 --rates 1gbit --rtt 50       # 50 ms between hosts
 
 Each host is a network namespace (bench/netns.py) whose one veth is shaped with
 tc's tbf in both directions; its ranks talk to each other over the namespace's
@@ -264,6 +265,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", nargs="+", default=["1gbit"], help="link rates (tc syntax: 1gbit, 100mbit)")
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS), help="rows")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per row")
+    netns.add_rtt_argument(parser)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the times")
     parser.add_argument("--width", type=int, default=256, help="the transformer's width")
     parser.add_argument("--layers", type=int, default=4, help="the transformer's blocks")
@@ -282,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench/fsdp.py needs root (network namespaces and tc); run it with sudo", file=sys.stderr)
         return 2
-    topology = netns.build_topology(max(hosts for hosts, _ in args.hosts), 1)
+    topology = netns.build_topology(max(hosts for hosts, _ in args.hosts), 1, args.rtt)
     atexit.register(topology.close)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_on_signal)
@@ -300,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = (
         f"examples/fsdp_train.py's transformer (width {args.width}, {args.layers} blocks), AdamW, batch 8 x 48 "
         f"characters per rank, {args.steps} steps ({args.warmup} untimed); {os.cpu_count()} cores shared by every "
-        f"rank and the aggregator; each host's link and the aggregator's shaped to the rate in both directions."
+        f"rank and the aggregator; each host's link and the aggregator's shaped to the rate in both directions; "
+        f"{netns.describe_rtt(args.rtt)}."
     )
     report = render(rows, args, setup)
     print(report)

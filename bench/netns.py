@@ -16,6 +16,7 @@ frames of up to delay_line.DEFAULT_MTU bytes; tbf shapes the same devices.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ import delay_line
 
 __all__ = [
     "Host",
+    "add_rtt_argument",
+    "describe_rtt",
     "Topology",
     "build_topology",
     "leftover_namespaces",
@@ -95,6 +98,35 @@ def parse_rtt(text: str) -> float:
     if not 0.0 <= rtt_ms < 10_000.0:
         raise ValueError(f"rtt={text!r} is invalid; expected a round trip in milliseconds, 0 <= rtt < 10000")
     return rtt_ms
+
+
+def _rtt_argument(text: str) -> float:
+    try:
+        return parse_rtt(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_rtt_argument(parser: argparse.ArgumentParser) -> None:
+    """``--rtt MS`` on a benchmark's command line (default 0: plain veth links, as before delay lines existed)."""
+    parser.add_argument(
+        "--rtt",
+        type=_rtt_argument,
+        default=0.0,
+        metavar="MS",
+        help="round trip between any two hosts, in milliseconds: every host's link gets a delay line "
+        "(bench/delay_line.py) holding each frame MS/4 per direction besides its rate; 0 keeps plain veth links",
+    )
+
+
+def describe_rtt(rtt_ms: float) -> str:
+    """The round trip's sentence for a report's setup."""
+    if rtt_ms <= 0.0:
+        return "no added propagation delay (veth links)"
+    return (
+        f"a round trip of {rtt_ms:g} ms between any two hosts (a TAP delay line on every host link, "
+        f"{rtt_ms / 4:g} ms each way, MTU {delay_line.DEFAULT_MTU})"
+    )
 
 
 def parse_hosts(text: str) -> tuple[int, int]:

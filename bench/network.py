@@ -6,6 +6,7 @@ Run as root from the repository root with the virtualenv's interpreter::
     sudo .venv/bin/python bench/network.py --preset full    # adds the ~25M-parameter MLP
     sudo .venv/bin/python bench/network.py --worlds 4 --rates 1gbit --methods compute-only gradq8-1 --steps 30
     sudo .venv/bin/python bench/network.py --hosts 2x2 --rates 1gbit   # hosts of 2 ranks: flat vs two-level gradq
+    sudo .venv/bin/python bench/network.py --worlds 2 4 --rates 1gbit --rtt 50   # 50 ms between any two hosts
     sudo .venv/bin/python bench/network.py --cleanup        # remove namespaces a killed run left behind
 
 Every worker (rank) and every aggregator shard runs in its own network namespace
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     """Build the namespaces, run every scenario, always delete the namespaces."""
     scenarios = plan(args)
     shards = max((METHOD_BY_KEY[key].shards for key in args.methods), default=0)
-    topology = netns.build_topology(max(scenario.hosts for scenario in scenarios), shards)
+    topology = netns.build_topology(max(scenario.hosts for scenario in scenarios), shards, args.rtt)
     atexit.register(topology.close)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_on_signal)
@@ -364,6 +365,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "choice for slow links, slow_link_chunk_elements (512 KiB of payload: 2^19 elements at 8 bits, 2^21 at "
         "2); pass 2097152 for its default, which suits fast links and loopback",
     )
+    netns.add_rtt_argument(parser)
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the report files")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     parser.add_argument("--cleanup", action="store_true", help="delete namespaces left by a killed run, then exit")
@@ -427,7 +429,7 @@ def _setup(args: argparse.Namespace, load_before: float) -> str:
         f"Preset {args.preset}; {args.warmup} warm-up + {args.steps} timed steps per row; median of rank 0; batch 32, "
         f"SGD, gloo, 1 thread per rank; gradq rounds of at most {rounds}; "
         f"{os.cpu_count()} CPU cores shared by all ranks and the aggregator shards; "
-        f"{_namespaces(args)}, links shaped with tc tbf in both directions. "
+        f"{_namespaces(args)}, links shaped with tc tbf in both directions; {netns.describe_rtt(args.rtt)}. "
         f"1-minute load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after it "
         f"(other work on the machine skews the times). gradq at {git.stdout.strip() or 'unknown revision'}."
     )
