@@ -163,8 +163,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0.1 <= self.keepalive_timeout_s <= 3600:
             raise ValueError(
-                f"keepalive_timeout_s={self.keepalive_timeout_s} is invalid; expected 0.1..3600 seconds "
-                f"(--keepalive-timeout): how long an unanswered ping may wait before the rank is lost"
+                f"keepalive_timeout_s={self.keepalive_timeout_s} is invalid; expected 0.1..3600 seconds: how long an "
+                "unanswered ping may wait before the rank is lost"
             )
 
 
@@ -199,7 +199,10 @@ class AggregatorServer:
             self.metrics.watch_budget(self.table.budget)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
         waiting = WaitingCalls(
-            self.limits.max_waiting_per_job, self.limits.max_waiting_per_peer, self.limits.max_waiting_calls
+            self.limits.max_waiting_per_job,
+            self.limits.max_waiting_per_peer,
+            self.limits.max_waiting_calls,
+            self.limits.max_streams_per_peer,
         )
         membership = self.metrics.membership_changed if self.metrics is not None else None
         self.servicer = AggregatorServicer(self.table, waiting, Liveness(self.table, self.limits), membership)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from enum import Enum
+from typing import Any, NamedTuple, NoReturn
 
 from gradq.server.app import AggregatorServer, BindError, ServerOptions, TlsFiles
 from gradq.server.auth import TokenTable
@@ -26,50 +29,125 @@ _SERVER = ServerOptions()
 _LIMITS = ServiceLimits()
 _HOST, _PORT = _SERVER.address.rsplit(":", 1)
 
-# (flag, environment variable, default); the variable's meaning and parser are in gradq.server.env.
-# Flags win over the environment.
-_OPTIONS: list[tuple[str, str, Any]] = [
-    ("--host", "GRADQ_BIND_HOST", _HOST),
-    ("--port", "GRADQ_PORT", int(_PORT)),
-    ("--world-size", "GRADQ_WORLD_SIZE", _POLICY.world_size),
-    ("--round-timeout", "GRADQ_ROUND_TIMEOUT", _POLICY.round_timeout_s),
-    ("--partial-quorum", "GRADQ_PARTIAL_QUORUM", _POLICY.partial_quorum),
-    ("--return-scheme", "GRADQ_RETURN_SCHEME", _POLICY.return_scheme),
-    ("--return-bits", "GRADQ_RETURN_BITS", _POLICY.return_bits),
-    ("--server-error-feedback", "GRADQ_SERVER_ERROR_FEEDBACK", "auto"),
-    ("--retain-steps", "GRADQ_RETAIN_STEPS", _POLICY.retain_steps),
-    ("--max-steps-ahead", "GRADQ_MAX_STEPS_AHEAD", _LIMITS.max_steps_ahead),
-    ("--max-open-rounds", "GRADQ_MAX_OPEN_ROUNDS", _LIMITS.max_open_rounds),
-    ("--max-memory-bytes", "GRADQ_MAX_MEMORY_BYTES", _LIMITS.max_memory_bytes),
-    ("--max-job-memory-bytes", "GRADQ_MAX_JOB_MEMORY_BYTES", -1),
-    ("--max-jobs", "GRADQ_MAX_JOBS", _LIMITS.max_jobs),
-    ("--max-jobs-per-peer", "GRADQ_MAX_JOBS_PER_PEER", -1),
-    ("--max-world-size", "GRADQ_MAX_WORLD_SIZE", _LIMITS.max_world_size),
-    ("--job-idle-timeout", "GRADQ_JOB_IDLE_TIMEOUT", _LIMITS.job_idle_timeout_s),
-    ("--max-waiting-per-job", "GRADQ_MAX_WAITING_PER_JOB", _LIMITS.max_waiting_per_job),
-    ("--max-waiting-per-peer", "GRADQ_MAX_WAITING_PER_PEER", _LIMITS.max_waiting_per_peer),
-    ("--max-waiting-calls", "GRADQ_MAX_WAITING_CALLS", _LIMITS.max_waiting_calls),
-    ("--max-watches", "GRADQ_MAX_WATCHES", _LIMITS.max_watches),
-    ("--max-message-bytes", "GRADQ_MAX_MESSAGE_BYTES", _SERVER.max_message_bytes),
-    ("--max-workers", "GRADQ_MAX_WORKERS", _SERVER.max_workers),
-    ("--non-finite", "GRADQ_NON_FINITE", _POLICY.non_finite),
-    ("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", _POLICY.max_bucket_elements),
-    ("--grace", "GRADQ_GRACE", _SERVER.grace_s),
-    ("--keepalive-timeout", "GRADQ_KEEPALIVE_TIMEOUT", _SERVER.keepalive_timeout_s),
-    ("--exit-after-jobs", "GRADQ_EXIT_AFTER_JOBS", _SERVER.exit_after_jobs),
-    ("--log-level", "GRADQ_LOG_LEVEL", "INFO"),
-    ("--log-format", "GRADQ_LOG_FORMAT", "text"),
-    ("--port-file", "GRADQ_PORT_FILE", None),
-    ("--metrics-port", "GRADQ_METRICS_PORT", None),
-    ("--tls-cert", "GRADQ_TLS_CERT", None),
-    ("--tls-key", "GRADQ_TLS_KEY", None),
-    ("--tls-client-ca", "GRADQ_TLS_CLIENT_CA", None),
-    ("--token-file", "GRADQ_TOKEN_TABLE", None),
-    ("--shards", "GRADQ_SHARDS", None),
-    ("--shard-ports", "GRADQ_SHARD_PORTS", None),
-    ("--advertise-host", "GRADQ_ADVERTISE_HOST", None),
-    ("--shard-group", "GRADQ_SHARD_GROUP", None),
-]
+
+class _Flag(NamedTuple):
+    """One flag of `gradq serve`; its variable's meaning and parser are in gradq.server.env."""
+
+    flag: str
+    env: str
+    default: Any
+    metavar: str
+    # The settings fields (RoundPolicy, ServerOptions, ServiceLimits) whose errors this flag answers for,
+    # when not the flag's own name with underscores: an error says the flag, not the field.
+    fields: tuple[str, ...] = ()
+    # The default as --help says it, where the value alone would mislead (a -1 or None standing for a rule).
+    shown: str = ""
+
+
+# Every flag, grouped as --help shows them. Flags win over the environment.
+_GROUPS: dict[str, list[_Flag]] = {
+    "serving": [
+        _Flag("--host", "GRADQ_BIND_HOST", _HOST, "HOST"),
+        _Flag("--port", "GRADQ_PORT", int(_PORT), "PORT"),
+        _Flag("--port-file", "GRADQ_PORT_FILE", None, "PATH"),
+        _Flag("--max-workers", "GRADQ_MAX_WORKERS", _SERVER.max_workers, "N"),
+        _Flag("--max-message-bytes", "GRADQ_MAX_MESSAGE_BYTES", _SERVER.max_message_bytes, "BYTES", shown="1 GiB"),
+        _Flag(
+            "--keepalive-timeout",
+            "GRADQ_KEEPALIVE_TIMEOUT",
+            _SERVER.keepalive_timeout_s,
+            "SECONDS",
+            ("keepalive_timeout_s",),
+        ),
+        _Flag("--grace", "GRADQ_GRACE", _SERVER.grace_s, "SECONDS", ("grace_s",)),
+        _Flag("--exit-after-jobs", "GRADQ_EXIT_AFTER_JOBS", _SERVER.exit_after_jobs, "N"),
+    ],
+    "rounds": [
+        _Flag("--world-size", "GRADQ_WORLD_SIZE", _POLICY.world_size, "N"),
+        _Flag("--round-timeout", "GRADQ_ROUND_TIMEOUT", _POLICY.round_timeout_s, "SECONDS", ("round_timeout_s",)),
+        _Flag("--partial-quorum", "GRADQ_PARTIAL_QUORUM", _POLICY.partial_quorum, "N"),
+        _Flag("--return-scheme", "GRADQ_RETURN_SCHEME", "same", "SCHEME"),
+        _Flag("--return-bits", "GRADQ_RETURN_BITS", _POLICY.return_bits, "N", ("return_bits", "bits")),
+        _Flag("--server-error-feedback", "GRADQ_SERVER_ERROR_FEEDBACK", "auto", "auto|true|false"),
+        _Flag("--retain-steps", "GRADQ_RETAIN_STEPS", _POLICY.retain_steps, "N"),
+        _Flag("--non-finite", "GRADQ_NON_FINITE", _POLICY.non_finite, "reject|skip"),
+    ],
+    "limits": [
+        _Flag("--max-steps-ahead", "GRADQ_MAX_STEPS_AHEAD", _LIMITS.max_steps_ahead, "N"),
+        _Flag("--max-open-rounds", "GRADQ_MAX_OPEN_ROUNDS", _LIMITS.max_open_rounds, "N"),
+        _Flag("--max-memory-bytes", "GRADQ_MAX_MEMORY_BYTES", _LIMITS.max_memory_bytes, "BYTES", shown="half the RAM"),
+        _Flag("--max-job-memory-bytes", "GRADQ_MAX_JOB_MEMORY_BYTES", -1, "BYTES", shown="a quarter of the budget"),
+        _Flag("--max-jobs", "GRADQ_MAX_JOBS", _LIMITS.max_jobs, "N"),
+        _Flag("--max-jobs-per-peer", "GRADQ_MAX_JOBS_PER_PEER", -1, "N", shown="--max-jobs"),
+        _Flag("--max-world-size", "GRADQ_MAX_WORLD_SIZE", _LIMITS.max_world_size, "N"),
+        _Flag(
+            "--job-idle-timeout",
+            "GRADQ_JOB_IDLE_TIMEOUT",
+            _LIMITS.job_idle_timeout_s,
+            "SECONDS",
+            ("job_idle_timeout_s",),
+        ),
+        _Flag("--max-waiting-per-job", "GRADQ_MAX_WAITING_PER_JOB", _LIMITS.max_waiting_per_job, "N"),
+        _Flag("--max-waiting-per-peer", "GRADQ_MAX_WAITING_PER_PEER", _LIMITS.max_waiting_per_peer, "N"),
+        _Flag("--max-waiting-calls", "GRADQ_MAX_WAITING_CALLS", _LIMITS.max_waiting_calls, "N"),
+        _Flag("--max-watches", "GRADQ_MAX_WATCHES", _LIMITS.max_watches, "N"),
+        _Flag("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", _POLICY.max_bucket_elements, "N", shown="2**28"),
+    ],
+    "security": [
+        _Flag("--tls-cert", "GRADQ_TLS_CERT", None, "PEM"),
+        _Flag("--tls-key", "GRADQ_TLS_KEY", None, "PEM"),
+        _Flag("--tls-client-ca", "GRADQ_TLS_CLIENT_CA", None, "PEM"),
+        _Flag("--token-file", "GRADQ_TOKEN_TABLE", None, "PATH"),
+    ],
+    "shards": [
+        _Flag("--shards", "GRADQ_SHARDS", None, "N", shown="1, or one per --shard-ports"),
+        _Flag("--shard-ports", "GRADQ_SHARD_PORTS", None, "PORT,..."),
+        _Flag("--advertise-host", "GRADQ_ADVERTISE_HOST", None, "HOST"),
+        _Flag("--shard-group", "GRADQ_SHARD_GROUP", None, "HOST:PORT,..."),
+    ],
+    "observability": [
+        _Flag("--metrics-port", "GRADQ_METRICS_PORT", None, "PORT"),
+        _Flag("--log-level", "GRADQ_LOG_LEVEL", "INFO", "LEVEL"),
+        _Flag("--log-format", "GRADQ_LOG_FORMAT", "text", "text|json"),
+    ],
+}
+_FLAGS = [option for options in _GROUPS.values() for option in options]
+_HINT = "usage: gradq serve [FLAG VALUE]...; gradq serve --help lists the flags"
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """Says a mistake in one line and a hint, not under the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse's "argument --port: '70000' is invalid; ..." as the flag's own "--port='70000' is invalid; ...".
+        found = re.fullmatch(r"argument (--[a-z-]+): ('.*' is invalid; .*)", message, re.DOTALL)
+        self.exit(2, f"{self.prog}: error: {found[1] + '=' + found[2] if found else message}\n{_HINT}\n")
+
+
+def _name_flags(message: str, argv: Sequence[str]) -> str:
+    """``message`` with the settings fields it names said as flags (``round_timeout_s=-1`` as ``--round-timeout=-1``).
+
+    A value that came from the environment is named by its variable instead: the setting the user wrote.
+    """
+    for option in _FLAGS:
+        given = any(word == option.flag or word.startswith(option.flag + "=") for word in argv)
+        name = option.env if not given and os.environ.get(option.env, "").strip() else option.flag
+        for field in option.fields or (option.flag[2:].replace("-", "_"),):
+            message = re.sub(rf"(?<![\w-]){field}=", f"{name}=", message)
+            if "_" in field:  # a bare field name, e.g. "1..world_size"
+                message = re.sub(rf"(?<![\w-]){field}\b", name, message)
+    return message
+
+
+def _show(value: Any) -> str:
+    """A default as --help says it."""
+    if isinstance(value, Enum):
+        return value.name.lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 class JsonFormatter(logging.Formatter):
@@ -98,28 +176,41 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `gradq serve` argument parser; defaults come from GRADQ_* environment variables."""
-    parser = argparse.ArgumentParser(
+    """The `gradq serve` argument parser, its flags in groups; defaults come from GRADQ_* environment variables."""
+    parser = _ServeParser(
         prog="gradq serve",
+        usage="%(prog)s [FLAG VALUE]...",
         description="Run a gradq aggregator: workers push quantized gradient buckets, it averages them and "
-        "sends the mean back. One process is one shard; --shards N runs N, supervised. Every flag can also be set "
-        "by the environment variable shown.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "sends the mean back. One process is one shard; --shards N runs N. Each flag can also be set by the "
+        "environment variable shown; docs/operating.md explains them at length.",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=28),
+        allow_abbrev=False,  # an error names the flag as written: no abbreviations to tell apart
     )
-    for flag, env, default in _OPTIONS:
-        try:
-            value = read_variable(None, env)
-        except ValueError as error:
-            parser.error(str(error))
-        default = default if value is None else value
-        parser.add_argument(flag, type=flag_type(env), default=default, help=f"{SERVE_ENVIRONMENT[env]} [env {env}]")
+    for title, options in _GROUPS.items():
+        group = parser.add_argument_group(title)
+        for option in options:
+            try:
+                value = read_variable(None, option.env)
+            except ValueError as error:
+                parser.error(str(error))
+            default = option.default if value is None else value
+            shown = _show(value) if value is not None else option.shown or _show(option.default)
+            said = "" if value is None and option.default is None and not option.shown else f" (default {shown})"
+            group.add_argument(
+                option.flag,
+                type=flag_type(option.env),
+                default=default,
+                metavar=option.metavar,
+                help=f"{SERVE_ENVIRONMENT[option.env]}{said} [env {option.env}]",
+            )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):
         parser.error(f"--log-level={args.log_level!r} is invalid; expected DEBUG, INFO, WARNING or ERROR")
@@ -143,9 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.shard_group,
         )
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(_name_flags(str(error), arguments))
     if plan is not None:
-        supervisor = ShardSupervisor(plan, sys.argv[1:] if argv is None else list(argv), args.port_file, args.grace)
+        supervisor = ShardSupervisor(plan, arguments, args.port_file, args.grace)
         supervisor.stop_on_signals()
         return supervisor.run()
     port = args.shard_ports[0] if args.shard_ports else args.port
@@ -195,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {error}; pass another {flag} (0 picks a free one)", file=sys.stderr)
         return 2
     except (ValueError, OSError) as error:
-        parser.error(str(error))
+        parser.error(_name_flags(str(error), arguments))
     if args.port_file is not None:
         args.port_file.write_text(f"{server.port}\n")
     server.wait()

@@ -36,76 +36,50 @@ __all__ = [
     "read_variable",
 ]
 
-# Variable -> what it sets, for `gradq serve` (its --help shows each beside its flag).
+# Variable -> what it sets, for `gradq serve`, in a line: its --help shows each beside its flag
+# (docs/operating.md explains each at length).
 SERVE_ENVIRONMENT = {
     "GRADQ_BIND_HOST": "address to bind",
     "GRADQ_PORT": "port to bind; 0 picks a free one (see --port-file)",
-    "GRADQ_WORLD_SIZE": "ranks per job, as the launcher counts them (torchrun's WORLD_SIZE; under two-level "
-    "aggregation a host's ranks count, not the host); a job of other ranks is refused as a configuration "
-    "mismatch. 0 lets each job's first Join decide",
-    "GRADQ_ROUND_TIMEOUT": "seconds from a round's first contribution until it fails for every waiter, naming the "
-    "missing ranks",
-    "GRADQ_PARTIAL_QUORUM": "0: strict rounds. N: at its deadline a round with >= N ranks completes over them "
-    "(response says partial). Counts ranks, like `--world-size`: a host of L ranks under two-level aggregation "
-    "counts L; a job with fewer than N ranks is refused at Join",
-    "GRADQ_RETURN_SCHEME": "grid of the mean sent back: 'same' as the pushes, 'fp16', 'fp32', or a scheme such as "
-    "per_channel_affine",
+    "GRADQ_WORLD_SIZE": "ranks per job, as the launcher counts them; 0: each job's first Join decides",
+    "GRADQ_ROUND_TIMEOUT": "seconds from a round's first push until it fails, naming the missing ranks",
+    "GRADQ_PARTIAL_QUORUM": "0: strict rounds; N: at its deadline a round of >= N ranks completes over them",
+    "GRADQ_RETURN_SCHEME": "grid of the mean sent back: same (as the pushes), fp16, fp32 or a scheme",
     "GRADQ_RETURN_BITS": "bits of a quantized --return-scheme",
-    "GRADQ_SERVER_ERROR_FEEDBACK": "carry the re-quantization error of each bucket's mean into its next round: auto "
-    "(where the mean goes back on a uniform grid of 4 bits or fewer; without it such a mean is biased), true (any "
-    "quantized grid, the scaled sign's too) or false",
-    "GRADQ_RETAIN_STEPS": "completed steps kept so that retried pushes get their answer; older steps are stale",
-    "GRADQ_MAX_STEPS_AHEAD": "a new round's step may be at most this far past the job's newest completed step "
-    "(covers pipelining)",
-    "GRADQ_MAX_OPEN_ROUNDS": "rounds of one job in flight at once; past it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_MEMORY_BYTES": "budget for open rounds' fp32 accumulators, retained means and failures and server "
-    "error-feedback residuals (default: half the machine's memory); a push past it gets RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_JOB_MEMORY_BYTES": "the most of --max-memory-bytes one job may hold (-1: a quarter of it), so one job "
-    "cannot starve the others",
-    "GRADQ_MAX_JOBS": "jobs known at once; a Join for a new job past it is refused",
-    "GRADQ_MAX_JOBS_PER_PEER": "jobs one client host may have started that the aggregator still holds (-1: "
-    "--max-jobs); set it lower where untrusted hosts share the aggregator; past it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WORLD_SIZE": "largest job a Join may ask for, in ranks; it bounds a job's members, an elastic job's "
-    "member ids and a job's Watch streams too",
-    "GRADQ_JOB_IDLE_TIMEOUT": "seconds without a Join, PushPull or Leave after which a job is forgotten (its rounds "
-    "fail)",
-    "GRADQ_MAX_WAITING_PER_JOB": "pushes of one job waiting for their rounds at once (PushPull calls, and pushes on "
-    "streams until their answers are written); past it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WAITING_PER_PEER": "pushes from one client host waiting at once (calls and pushes on streams); past "
-    "it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WAITING_CALLS": "pushes waiting at once in all, calls and pushes on streams (each holds no thread, "
-    "~25 KB); past it, RESOURCE_EXHAUSTED",
-    "GRADQ_MAX_WATCHES": "Watch streams open at once (one per joined rank, no thread each): past it a rank's loss "
-    "is found at the round deadline",
-    "GRADQ_MAX_MESSAGE_BYTES": "largest gRPC message accepted or sent (default 1 GiB; gRPC's own default is 4 MiB)",
-    "GRADQ_MAX_WORKERS": "threads that decode, accumulate and average pushes; a waiting PushPull holds none (it "
-    "waits on the event loop)",
-    "GRADQ_NON_FINITE": "a rank reporting NaN/Inf gradients: 'reject' fails the round for all, 'skip' returns "
-    "zeros marked skipped",
-    "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (its fp32 accumulator is 4 bytes each)",
+    "GRADQ_SERVER_ERROR_FEEDBACK": "carry each mean's re-quantization error into its next round: auto (uniform "
+    "grids of 4 bits or fewer), true or false",
+    "GRADQ_RETAIN_STEPS": "completed steps kept to answer retried pushes",
+    "GRADQ_MAX_STEPS_AHEAD": "how far a new round's step may run past the job's newest completed one",
+    "GRADQ_MAX_OPEN_ROUNDS": "rounds of one job in flight at once",
+    "GRADQ_MAX_MEMORY_BYTES": "budget for accumulators, retained means and residuals",
+    "GRADQ_MAX_JOB_MEMORY_BYTES": "the most of --max-memory-bytes one job may hold",
+    "GRADQ_MAX_JOBS": "jobs known at once; a new job's Join past it is refused",
+    "GRADQ_MAX_JOBS_PER_PEER": "jobs one client host may have started that are still held",
+    "GRADQ_MAX_WORLD_SIZE": "largest job a Join may ask for, in ranks",
+    "GRADQ_JOB_IDLE_TIMEOUT": "seconds without a Join, PushPull or Leave before a job is forgotten",
+    "GRADQ_MAX_WAITING_PER_JOB": "pushes of one job waiting for their rounds at once",
+    "GRADQ_MAX_WAITING_PER_PEER": "pushes from one client host waiting at once",
+    "GRADQ_MAX_WAITING_CALLS": "pushes waiting at once in all (~25 KB each, no thread)",
+    "GRADQ_MAX_WATCHES": "Watch streams open at once (one per joined rank)",
+    "GRADQ_MAX_MESSAGE_BYTES": "largest gRPC message accepted or sent",
+    "GRADQ_MAX_WORKERS": "threads that decode, accumulate and average pushes",
+    "GRADQ_NON_FINITE": "a rank's NaN/Inf gradients: reject fails the round, skip returns zeros marked skipped",
+    "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (4 bytes each to accumulate)",
     "GRADQ_GRACE": "seconds rounds in flight get to finish after SIGTERM",
-    "GRADQ_KEEPALIVE_TIMEOUT": "seconds a connection may leave the aggregator's ping (sent every second) unanswered "
-    "before its rank is lost: a stopped, hung or cut-off host is found within 1 s + this",
-    "GRADQ_EXIT_AFTER_JOBS": "stop gracefully and exit 0 once N jobs have finished (every rank of each has left, "
-    "e.g. a Compose cluster's one job); 0 serves until SIGTERM",
+    "GRADQ_KEEPALIVE_TIMEOUT": "seconds an unanswered ping (sent every second) waits before its rank is lost",
+    "GRADQ_EXIT_AFTER_JOBS": "exit 0 once N jobs have finished (every rank left); 0: serve until SIGTERM",
     "GRADQ_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
-    "GRADQ_LOG_FORMAT": "'text' or 'json' (one JSON object per line, for log shippers)",
+    "GRADQ_LOG_FORMAT": "text, or json (one object per line, for log shippers)",
     "GRADQ_PORT_FILE": "write the bound port to this file once serving",
-    "GRADQ_METRICS_PORT": "serve Prometheus metrics at http://HOST:PORT/metrics and a status page at /status",
+    "GRADQ_METRICS_PORT": "serve Prometheus /metrics and a /status page over HTTP on this port (unset: none)",
     "GRADQ_TLS_CERT": "PEM certificate chain: serve TLS (with --tls-key)",
     "GRADQ_TLS_KEY": "PEM private key of --tls-cert",
     "GRADQ_TLS_CLIENT_CA": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    "GRADQ_SHARDS": "run this many shard processes, each a whole aggregator, on consecutive ports from --port (or "
-    "--shard-ports), with consecutive metrics ports from --metrics-port when it is set; this process restarts a shard "
-    "that dies on its port and stops them all on SIGTERM (default 1: serve here; or one per --shard-ports)",
-    "GRADQ_SHARD_PORTS": "with --shards: each shard's port, comma-separated, instead of consecutive ones from --port",
-    "GRADQ_ADVERTISE_HOST": "with --shards: the host workers reach the shards at, reported to them with the ports "
-    "(e.g. a container's service name; unset: the host each worker dialed)",
-    "GRADQ_SHARD_GROUP": "the ordered host:port of every shard of this one's group, comma-separated, reported to a "
-    "worker given one shard's address so it learns the others (--shards sets it for its shards; an empty host "
-    "stands for the host the worker dialed)",
-    "GRADQ_TOKEN_TABLE": "require 'authorization: Bearer <token>'; one token per line: 'TOKEN job=JOB [rank=RANK]' "
-    "scopes it to a job (JOB ending in '*': a job-id prefix) and a rank; 'TOKEN' or 'TOKEN RANK' leaves it any job",
+    "GRADQ_TOKEN_TABLE": "require bearer tokens, one a line: 'TOKEN job=JOB [rank=RANK]' scopes one",
+    "GRADQ_SHARDS": "run N shard processes on consecutive ports from --port, restarting any that dies",
+    "GRADQ_SHARD_PORTS": "each shard's port, comma-separated, instead of consecutive ones",
+    "GRADQ_ADVERTISE_HOST": "host the workers reach the shards at (unset: the host each worker dialed)",
+    "GRADQ_SHARD_GROUP": "host:port of every shard of this one's group, comma-separated, told to workers",
 }
 
 # Variable -> what it sets, for the health check alone (it reads GRADQ_PORT and GRADQ_TLS_CERT of the table above).

@@ -82,4 +82,4 @@ def test_negative_count_exits_2_naming_the_flag() -> None:
         timeout=60,
     )
     assert completed.returncode == 2
-    assert "exit_after_jobs=-1 is invalid; expected 0 (serve until stopped) or >= 1" in completed.stderr
+    assert "--exit-after-jobs=-1 is invalid; expected 0 (serve until stopped) or >= 1" in completed.stderr

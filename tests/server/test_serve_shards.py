@@ -155,7 +155,7 @@ def test_exit_after_jobs_ends_the_parent_once_every_shard_has_exited_by_itself(t
         (["--shards", "65"], {}, "--shards=65 is invalid; expected 1..64 shard processes"),
         ([], {"GRADQ_SHARDS": "0"}, "--shards=0 is invalid; expected 1..64 shard processes"),
         ([], {"GRADQ_SHARDS": "two"}, "GRADQ_SHARDS='two' is invalid; expected an integer"),
-        (["--shards", "two"], {}, "argument --shards: 'two' is invalid; expected an integer"),
+        (["--shards", "two"], {}, "--shards='two' is invalid; expected an integer"),
         (
             ["--shards", "3", "--shard-ports", "{p},{q}"],
             {},
@@ -166,7 +166,7 @@ def test_exit_after_jobs_ends_the_parent_once_every_shard_has_exited_by_itself(t
             {},
             "--shard-ports={p},{p} names port {p} twice; expected 2 different ports",
         ),
-        (["--shard-ports", "{p},0"], {}, "argument --shard-ports: '{p},0' is invalid; expected ports in 1..65535"),
+        (["--shard-ports", "{p},0"], {}, "--shard-ports='{p},0' is invalid; expected ports in 1..65535"),
         (
             ["--shards", "2", "--port", "65535"],
             {},
@@ -182,7 +182,7 @@ def test_exit_after_jobs_ends_the_parent_once_every_shard_has_exited_by_itself(t
             {},
             "--shard-group=a:1,b:2 with --shards=2: --shards tells its own shards their group; expected one of the two",
         ),
-        (["--shard-group", "a:1,a:1"], {}, "argument --shard-group: 'a:1,a:1' is invalid; expected 'host:port"),
+        (["--shard-group", "a:1,a:1"], {}, "--shard-group='a:1,a:1' is invalid; expected 'host:port"),
     ],
 )
 def test_bad_shard_settings_exit_2_naming_the_flag_before_anything_starts(

@@ -37,7 +37,7 @@ def serve_flags() -> dict[str, str]:
         found = re.search(r"\[env (GRADQ_[A-Z_]+)\]$", action.help or "")
         if found:
             flags[found[1]] = action.option_strings[0]
-            assert action.help == f"{SERVE_ENVIRONMENT[found[1]]} [env {found[1]}]"
+            assert action.help.startswith(SERVE_ENVIRONMENT[found[1]]), action.help
     return flags
 
 
