@@ -28,13 +28,31 @@ from gradq.client.elastic import JobWorld, ReceivedState, fetch_state, send_stat
 from gradq.client.sending import AggregationError
 from gradq.proto.v1 import aggregator_pb2 as pb
 
-__all__ = ["ShardMembership"]
+__all__ = ["JobEndedError", "ShardMembership"]
 
 log = logging.getLogger(__name__)
 
 # The first wait before an elastic member joins again after the shards disagreed on its run (doubled, at
 # most 2 s): about the time the job's hosts take to come back to a restarted shard.
 _ELASTIC_JOIN_BACKOFF_S = 0.2
+
+
+class JobEndedError(AggregationError):
+    """The run this member comes back to ended: its other hosts finished the job and left (Refusal JOB_ENDED).
+
+    Nothing is left to rejoin or wait for: the member stops, and a new run of the job starts afresh.
+    """
+
+    def __init__(self, job_id: str, incarnation: str, cause: AggregationError) -> None:
+        super().__init__(
+            cause.address,
+            cause.code,
+            f"job {job_id!r} (incarnation={incarnation[:64]!r}) has finished: its other hosts completed it and "
+            f"left while this host was away, so there is no run to rejoin; start a new run of the job to train "
+            f"again ({cause.details})",
+            cause.refusal,
+        )
+        self.job_id, self.incarnation = job_id, incarnation
 
 
 class ShardMembership:
@@ -188,7 +206,10 @@ class ShardMembership:
         try:
             response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise AggregationError.of_call(self.addresses[shard], error) from None
+            failure = AggregationError.of_call(self.addresses[shard], error)
+            if failure.refusal == "JOB_ENDED":
+                raise JobEndedError(self.job_id, incarnation, failure) from None
+            raise failure from None
         if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
             self.rank, self.catch_up = response.rank, response.catch_up
             self._rank_changed(self.rank)

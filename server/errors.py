@@ -36,6 +36,7 @@ class Refusal(enum.Enum):
     ANOTHER_RUN = 6
     MODEL_MISMATCH = 7
     BEHIND = 8
+    JOB_ENDED = 9
 
 
 class RoundError(Exception):

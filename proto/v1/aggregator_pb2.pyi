@@ -29,6 +29,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_ANOTHER_RUN: _ClassVar[Refusal]
     REFUSAL_MODEL_MISMATCH: _ClassVar[Refusal]
     REFUSAL_BEHIND: _ClassVar[Refusal]
+    REFUSAL_JOB_ENDED: _ClassVar[Refusal]
 
 class MemberRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ REFUSAL_LATE: Refusal
 REFUSAL_ANOTHER_RUN: Refusal
 REFUSAL_MODEL_MISMATCH: Refusal
 REFUSAL_BEHIND: Refusal
+REFUSAL_JOB_ENDED: Refusal
 MEMBER_ROLE_STARTING: MemberRole
 MEMBER_ROLE_JOINING: MemberRole
 MEMBER_ROLE_RESUMING: MemberRole
