@@ -26,7 +26,7 @@ from gradq.server.auth import TokenAuthInterceptor, TokenTable
 from gradq.server.budget import return_free_memory
 from gradq.server.limits import ServiceLimits
 from gradq.server.liveness import Liveness
-from gradq.server.metrics import RoundMetrics
+from gradq.server.metrics import DEFAULT_FINISHED_JOB_SERIES_S, RoundMetrics
 from gradq.server.policy import RoundPolicy
 from gradq.server.reports import RoundObservers
 from gradq.server.rounds import RoundTable
@@ -144,6 +144,9 @@ class ServerOptions:
             rank of each has left); 0 serves until stopped.
         keepalive_timeout_s: how long a connection may leave the ping (sent every
             KEEPALIVE_S) unanswered before its calls end and its rank is lost.
+        finished_job_series_s: with metrics, how long a job that ended (every
+            rank left, or it expired) keeps its series on /metrics, with their
+            final values, before they are removed.
         shard_group: host:port of every shard of this one's group, in shard
             order, answered to the Shards RPC so a worker given one address
             learns the others (see gradq.server.shard_group); () is a shard alone.
@@ -159,6 +162,7 @@ class ServerOptions:
     exit_after_jobs: int = 0
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     shard_group: tuple[str, ...] = ()
+    finished_job_series_s: float = DEFAULT_FINISHED_JOB_SERIES_S
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.keepalive_timeout_s <= 3600:
@@ -181,7 +185,11 @@ class AggregatorServer:
         self.policy = policy
         self.options = options
         self.limits = limits or ServiceLimits()
-        self.metrics = RoundMetrics(max_jobs=self.limits.max_jobs) if options.metrics_port is not None else None
+        self.metrics = (
+            RoundMetrics(max_jobs=self.limits.max_jobs, finished_job_series_s=options.finished_job_series_s)
+            if options.metrics_port is not None
+            else None
+        )
         self.recent_errors = RecentErrors()  # the status page's list of failed rounds
         self.metrics_port: int | None = None
         self._metrics_http: MetricsHttpServer | None = None
@@ -330,17 +338,24 @@ class AggregatorServer:
             )
 
     def _sweep(self) -> None:
-        """Close rounds nobody waits for at their deadline, expire idle jobs, give freed memory back."""
+        """Close rounds nobody waits for at their deadline, expire idle jobs, drop ended jobs' series, free memory."""
         peak = 0  # the most bytes in use since memory was last given back
         trimmed_at = time.monotonic()
         while not self._stopped.wait(_SWEEP_PERIOD_S):
             self.table.sweep()
+            if self.metrics is not None:
+                self.metrics.drop_ended(self._live_jobs)
             in_use = self.table.budget.in_use
             peak = max(peak, in_use)
             # Also now and then: gRPC's buffers and parsed requests are heap the budget does not see.
             if in_use < peak - _TRIM_AFTER_BYTES or time.monotonic() - trimmed_at > _TRIM_EVERY_S:
                 return_free_memory()
                 peak, trimmed_at = in_use, time.monotonic()
+
+    def _live_jobs(self) -> set[str]:
+        """The ids of the jobs the table holds now."""
+        with self.table.jobs.lock:
+            return {job.job_id for job in self.table.jobs.all()}
 
     def stop(self) -> None:
         """Go NOT_SERVING, let rounds in flight finish within the grace period, then stop."""

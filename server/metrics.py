@@ -8,7 +8,9 @@ does it cost (error of the mean sent back, round latency, straggler wait).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +20,14 @@ from gradq.proto.convert import DTYPE_BYTES
 from gradq.server.budget import MemoryBudget
 from gradq.server.reports import RoundReport
 
-__all__ = ["JobTotals", "RoundMetrics"]
+__all__ = ["DEFAULT_FINISHED_JOB_SERIES_S", "JobTotals", "RoundMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Jobs whose series are kept (the server passes --max-jobs); the one that finished a round longest ago goes first.
 DEFAULT_MAX_JOB_SERIES = 1024
+# How long a job that ended keeps its series, with their final values: two scrapes at Prometheus' usual 1-minute
+# interval see its last rounds and leaves, and then the series go, so /metrics does not grow with every job run.
+DEFAULT_FINISHED_JOB_SERIES_S = 120.0
 
 
 @dataclass(slots=True)
@@ -39,21 +44,38 @@ class RoundMetrics:
     """A RoundObserver that keeps Prometheus series in its own registry.
 
     Series are labelled by job, and jobs come and go for as long as the
-    aggregator runs (or as fast as a client invents job ids), so the series
-    of at most ``max_jobs`` jobs are kept: those that finished a round most
-    recently. An evicted job's series disappear from /metrics.
+    aggregator runs (or as fast as a client invents job ids). A job that
+    ended (its last rank left, or it expired) keeps its series, its members
+    at 0, for ``finished_job_series_s``, and then they are removed, as a
+    Prometheus exporter drops the series of a thing that is gone. Besides,
+    the series of at most ``max_jobs`` jobs are kept: those that finished a
+    round most recently. A removed job's series disappear from /metrics.
 
     Args:
         registry: where the series live (a new one by default).
         max_jobs: jobs whose series are kept at once.
+        finished_job_series_s: how long an ended job keeps its series (see ``drop_ended``).
+        clock: monotonic seconds; tests may pass their own.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, max_jobs: int = DEFAULT_MAX_JOB_SERIES) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        max_jobs: int = DEFAULT_MAX_JOB_SERIES,
+        finished_job_series_s: float = DEFAULT_FINISHED_JOB_SERIES_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not finished_job_series_s >= 0:
+            raise ValueError(f"finished_job_series_s={finished_job_series_s} is invalid; expected >= 0 seconds")
         self.registry = registry or CollectorRegistry()
         self.max_jobs = max_jobs
+        self.finished_job_series_s = finished_job_series_s
+        self._clock = clock
         self._lock = threading.Lock()  # rounds finish on any of the server's threads
         # job -> the (metric, label values) series it has, oldest job first.
         self._jobs: OrderedDict[str, set[tuple[Any, tuple[str, ...]]]] = OrderedDict()
+        # job with series -> when it was first seen ended; its series go finished_job_series_s later.
+        self._ended: dict[str, float] = {}
         job = ["job"]
         self.rounds = Counter(
             "gradq_rounds",
@@ -148,6 +170,34 @@ class RoundMetrics:
             self._series(self.membership_events, job, event).inc()
             self._series(self.members, job).set(members)
 
+    def drop_ended(self, live_jobs: Callable[[], set[str]]) -> None:
+        """Remove the series of jobs that ended ``finished_job_series_s`` ago or more (the server's sweeper calls this).
+
+        Args:
+            live_jobs: the ids of the jobs the aggregator holds now. It is called after the jobs with series are
+                read, so a job that gained series meanwhile has joined and is among them, unless it ended.
+        """
+        with self._lock:
+            known = list(self._jobs)
+        live = live_jobs()
+        now = self._clock()
+        with self._lock:
+            for job in known:
+                if job in live or job not in self._jobs:
+                    self._ended.pop(job, None)  # running again (the same id restarted), or evicted meanwhile
+                    continue
+                if job not in self._ended:
+                    self._ended[job] = now
+                    if (self.members, (job,)) in self._jobs[job]:
+                        self.members.labels(job).set(0)  # an expired job's members are gone too
+                if now - self._ended[job] >= self.finished_job_series_s:
+                    self._remove(job)
+
+    def _remove(self, job: str) -> None:
+        for metric, labels in self._jobs.pop(job):
+            metric.remove(*labels)
+        self._ended.pop(job, None)
+
     def _series(self, metric: Any, job: str, *labels: str) -> Any:
         self._jobs[job].add((metric, (job, *labels)))
         return metric.labels(job, *labels)
@@ -159,9 +209,7 @@ class RoundMetrics:
         else:
             self._jobs[job] = set()
             while len(self._jobs) > self.max_jobs:
-                _, evicted = self._jobs.popitem(last=False)
-                for metric, labels in evicted:
-                    metric.remove(*labels)
+                self._remove(next(iter(self._jobs)))
 
     def _record(self, report: RoundReport) -> None:
         job = report.job_id

@@ -235,6 +235,8 @@ class RoundTable:
         """
         job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
         self._retire(retired)
+        if job is not None and retired and job.members.elastic:
+            self.membership_changed(job, "rank_left")  # the last leave counts too: the job has no member now
         if job is not None and retired and self._job_finished is not None:
             self._job_finished(job_id)  # its last rank left: the job is done
         if job is None or retired:
