@@ -51,6 +51,11 @@ class ShardConnections:
         self._closed = False
 
     @property
+    def first(self) -> _Transport:
+        """The transport over the shard's own channel."""
+        return self._transports[0]
+
+    @property
     def opened(self) -> int:
         """Connections opened so far (the first included)."""
         return len(self._transports)

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 __all__ = [
@@ -58,8 +58,12 @@ DEFAULT_MAX_WINDOW_PUSHES = 64
 # The most connections to one shard. Linux caps one connection's send buffer at tcp_wmem[2] (4 MiB by
 # default): about 40 MB/s at 100 ms. Eight carry 320 MB/s, past a 1 Gbit/s link between regions.
 DEFAULT_MAX_CONNECTIONS = 8
-# Round trips and rates are remembered this long: a path that slowed is seen within it.
+# The shortest round trip is measured afresh this often (see PathEstimate).
 _FILTER_S = 10.0
+# Rates are remembered for this many shortest round trips, and at least this long: a link that slowed
+# is followed within them (BBR keeps 10 round trips). The last rate outlives any idle spell.
+_RATE_ROUNDS = 10
+_MIN_RATE_FILTER_S = 0.5
 # Answers later than this many times the shortest round trip are a queue building (the window is
 # past the path): the window then holds one product, not two, until the queue drains.
 _QUEUE_FACTOR = 2.5
@@ -94,6 +98,8 @@ class WindowSettings:
         max_pushes: the most pushes in flight per shard.
         max_connections: the most connections per shard; 1 never opens another.
         connection_bytes: what one connection carries per round trip (its send buffer).
+        path_estimate: makes what measures each shard's path (tests inject one
+            with a clock or round trips of their own).
     """
 
     sized_to_path: bool = True
@@ -101,6 +107,7 @@ class WindowSettings:
     max_pushes: int = DEFAULT_MAX_WINDOW_PUSHES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     connection_bytes: int = -1  # -1: connection_send_buffer()
+    path_estimate: Callable[[], PathEstimate] = field(default_factory=lambda: PathEstimate)
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pushes", "max_connections"):
@@ -121,9 +128,18 @@ class PathEstimate:
     Pure bookkeeping with an injected clock (no I/O, not thread-safe: the
     window calls it under its lock). A push's round trip runs from its send
     to its answer, so it includes the wait for the other ranks' pushes: the
-    minimum over ``_FILTER_S`` leaves those waits out. A rate sample is the
-    bytes answered while the push was out over its round trip (BBR's
-    delivery rate): idle time between steps is in no sample.
+    minimum leaves those waits out. A rate sample is the bytes answered while
+    the push was out over its round trip (BBR's delivery rate), the fastest of
+    the last ``_RATE_ROUNDS`` round trips counting: idle time between steps is
+    in no sample, and the last sample outlives an idle spell, so a round after
+    minutes of compute starts at the window the last one ended with.
+
+    The shortest round trip is taken again once it is ``_FILTER_S`` old: from
+    the next push sent. A window that was never idle in that time may hold a
+    standing queue that every round trip since includes (its minimum would
+    then count the queue as path and keep it); so it first drains to its
+    count of pushes (``target`` 0) until a push sent after the drain answers,
+    as BBR's PROBE_RTT does: one round trip in ``_FILTER_S`` at the floor.
 
     Args:
         clock: seconds, monotonic.
@@ -132,15 +148,23 @@ class PathEstimate:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.delivered = 0  # request bytes answered so far
-        self._rtts: collections.deque[tuple[float, float]] = collections.deque()  # (when, round trip)
+        self._min_rtt = 0.0  # 0: no sample yet
+        self._min_rtt_at = 0.0
+        self._probe_since: float | None = None  # pushes sent from then on measure the round trip afresh
+        self._probe_min = math.inf
+        self.draining = False  # the window is at its count until that measure comes
         self._rates: collections.deque[tuple[float, float]] = collections.deque()  # (when, bytes per second)
         self._recent_rtt = 0.0  # smoothed round trip of the latest answers
 
-    def sent(self) -> tuple[float, int]:
-        """What to remember of a push going out: (now, bytes answered so far)."""
-        return self._clock(), self.delivered
+    def sent(self, ahead: int = 0) -> tuple[float, int, bool]:
+        """What to remember of a push going out with ``ahead`` others out: (now, bytes answered so far, probes)."""
+        now = self._clock()
+        if self._probe_since is None and self._min_rtt and now - self._min_rtt_at > _FILTER_S:
+            self._probe_since, self._probe_min, self.draining = now, math.inf, ahead > 0
+        # With at most one push ahead of it a push's round trip holds no standing queue of this client's.
+        return now, self.delivered, self._probe_since is not None and ahead <= 1
 
-    def answered(self, sent: tuple[float, int], nbytes: int, measured: bool = True) -> None:
+    def answered(self, sent: tuple[float, int, bool], nbytes: int, measured: bool = True) -> None:
         """A push of ``nbytes`` sent at ``sent`` was answered; ``measured``: its round trip counts (not a retry)."""
         now = self._clock()
         self.delivered += nbytes
@@ -148,69 +172,62 @@ class PathEstimate:
             return
         rtt = max(now - sent[0], 1e-6)
         self._recent_rtt = rtt if not self._recent_rtt else 0.75 * self._recent_rtt + 0.25 * rtt
-        _keep_min(self._rtts, now, rtt)
-        _keep_max(self._rates, now, (self.delivered - sent[1]) / rtt)
+        if self._probe_since is not None and sent[0] >= self._probe_since:
+            self._probe_min = min(self._probe_min, rtt)
+            # A window that cannot drain (no count to fall to) ends its probe with the least it saw.
+            if sent[2] or now - self._probe_since > _FILTER_S:
+                self._min_rtt, self._min_rtt_at, self._probe_since = self._probe_min, now, None
+                self.draining, self._recent_rtt = False, self._probe_min
+        elif not self._min_rtt or rtt <= self._min_rtt:
+            self._min_rtt, self._min_rtt_at = rtt, now
+        horizon = now - max(_RATE_ROUNDS * self._min_rtt, _MIN_RATE_FILTER_S)
+        while len(self._rates) > 1 and self._rates[0][0] < horizon:
+            self._rates.popleft()
+        rate = (self.delivered - sent[1]) / rtt
+        while self._rates and self._rates[-1][1] <= rate:
+            self._rates.pop()  # a monotonic deque: its head is the greatest rate of the recent samples
+        self._rates.append((now, rate))
 
     def failed(self) -> None:
         """A push failed: forget the rates (the window falls to its floor and grows again as answers come)."""
         self._rates.clear()
         self._recent_rtt = 0.0
 
-    def _expire(self) -> None:
-        horizon = self._clock() - _FILTER_S
-        for samples in (self._rtts, self._rates):
-            while len(samples) > 1 and samples[0][0] < horizon:
-                samples.popleft()
-
     @property
     def min_rtt(self) -> float:
         """The shortest round trip seen recently, seconds (0: none yet)."""
-        self._expire()
-        return self._rtts[0][1] if self._rtts else 0.0
+        return self._min_rtt
 
     @property
     def rate(self) -> float:
         """The fastest delivery seen recently, bytes per second (0: none yet)."""
-        self._expire()
         return self._rates[0][1] if self._rates else 0.0
 
     @property
     def queueing(self) -> bool:
         """The latest answers come much later than the shortest round trip: a queue is building."""
-        return bool(self._recent_rtt) and self._recent_rtt > _QUEUE_FACTOR * self.min_rtt
+        return bool(self._recent_rtt) and self._recent_rtt > _QUEUE_FACTOR * self._min_rtt
 
     def bdp(self) -> float:
         """The bandwidth-delay product, bytes: what the path holds in one round trip."""
-        return self.rate * self.min_rtt
+        return self.rate * self._min_rtt
 
     def target(self) -> float:
-        """The bytes a window should hold: twice the product, once while a queue builds."""
+        """The bytes a window should hold: twice the product, once while a queue builds, none while draining."""
+        if self.draining:
+            return 0.0
         return (1.0 if self.queueing else 2.0) * self.bdp()
-
-
-def _keep_min(samples: collections.deque[tuple[float, float]], now: float, value: float) -> None:
-    """A monotonic deque: its head is the least value of the samples since ``_FILTER_S`` ago."""
-    while samples and samples[-1][1] >= value:
-        samples.pop()
-    samples.append((now, value))
-
-
-def _keep_max(samples: collections.deque[tuple[float, float]], now: float, value: float) -> None:
-    """A monotonic deque: its head is the greatest value of the samples since ``_FILTER_S`` ago."""
-    while samples and samples[-1][1] <= value:
-        samples.pop()
-    samples.append((now, value))
 
 
 class _Shard(Generic[T]):
     __slots__ = ("bytes", "path", "pushes", "sent", "waiting")
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, path: PathEstimate) -> None:
         self.pushes = 0
         self.bytes = 0
         self.waiting: collections.deque[tuple[T, int]] = collections.deque()
-        self.path = PathEstimate(clock)
-        self.sent: dict[int, tuple[float, int]] = {}  # id(item) -> what the path remembers of its send
+        self.path = path
+        self.sent: dict[int, tuple[float, int, bool]] = {}  # id(item) -> what the path remembers of its send
 
 
 class ShardWindow(Generic[T]):
@@ -221,20 +238,13 @@ class ShardWindow(Generic[T]):
         limit: pushes in flight per shard however few bytes the path holds (the
             floor); None admits everything at once.
         settings: how the window grows past ``limit`` (see ``WindowSettings``).
-        clock: seconds, monotonic (tests inject one).
     """
 
-    def __init__(
-        self,
-        shards: int,
-        limit: int | None,
-        settings: WindowSettings | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, shards: int, limit: int | None, settings: WindowSettings | None = None) -> None:
         check_max_in_flight(limit)
         self.limit = limit
         self.settings = settings or WindowSettings()
-        self._shards = [_Shard[T](clock) for _ in range(shards)]
+        self._shards = [_Shard[T](self.settings.path_estimate()) for _ in range(shards)]
         self._lock = threading.Lock()
         self.closed = False
 
@@ -272,9 +282,9 @@ class ShardWindow(Generic[T]):
         return state.bytes + max(nbytes, 1) <= self._window_bytes(state)
 
     def _take(self, state: _Shard[T], item: T, nbytes: int) -> None:
+        state.sent[id(item)] = state.path.sent(state.pushes)
         state.pushes += 1
         state.bytes += nbytes
-        state.sent[id(item)] = state.path.sent()
 
     def admit(self, shard: int, item: T, nbytes: int = 0) -> bool:
         """True: send ``item`` (``nbytes`` on the wire) now and ``release`` it once it settles. False: it waits.
