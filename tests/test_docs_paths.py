@@ -14,7 +14,7 @@ _TOP = r"(?:bench|client|cli|compose[\w.]*|deploy|docker|docs|examples|proto|qco
 _PATH = re.compile(rf"`({_TOP}/[\w./-]*?(?:\.(?:py|md|yaml|yml|sh|proto|png|json|c|txt|toml|sbatch)|/))`")
 # Files a documented command creates: named as where they will be, not as what the tree holds.
 _MADE_BY_A_COMMAND = {"docker/certs/"}
-# "issue 42", "issues 4 and 5", "issue #42", "(#42)", a bare "#42": the tracker's numbers, which the project never cites.
+# "issue 42", "issue #42", "(#42)", a bare "#42": the tracker's numbers, which the project never cites.
 _ISSUE = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)|(?<![\w/&#])#\d+\b", flags=re.IGNORECASE)
 
 
@@ -42,8 +42,10 @@ def test_no_page_cites_an_issue_number(page: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "cited"),
-    [("before issue 44", True), ("Issue #7", True), ("fixed (#42)", True), ("see #12", True)]
-    + [("operating.md#cluster", False), ("## Heading", False), ("issue44-side-by-side.md", False), ("C#", False)],
+    [
+        *[("before issue 44", True), ("Issue #7", True), ("fixed (#42)", True), ("see #12", True)],
+        *[("operating.md#cluster", False), ("## Heading", False), ("issue44-side-by-side.md", False), ("C#", False)],
+    ],
 )
 def test_the_issue_pattern(text: str, cited: bool) -> None:
     assert bool(_ISSUE.search(text)) is cited
