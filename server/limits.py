@@ -51,6 +51,11 @@ class ServiceLimits:
         max_waiting_calls: pushes waiting at once in all. A waiting call
             holds no thread, only its coroutine and gRPC's call state (about
             25 KB with a small round of its own, measured), so this bounds memory.
+        max_streams_per_peer: PushPullStream calls open at once from one client
+            host, over all its connections: a rank opens one per connection to
+            a shard, up to 8 connections where the path is long (gradq.client.window),
+            so 128 serves 16 such ranks on a host. Each stream may hold requests not
+            yet in their rounds, so a host opening streams without end is refused.
         max_watches: Watch streams open at once in all (one per joined rank:
             how the aggregator learns in a moment that a rank's process is gone).
             A stream is a parked coroutine and an HTTP/2 stream, like a waiting call.
@@ -68,6 +73,7 @@ class ServiceLimits:
     max_waiting_per_peer: int = 1024
     max_waiting_calls: int = 4096
     max_watches: int = 4096
+    max_streams_per_peer: int = 128
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes == -1:
@@ -87,6 +93,7 @@ class ServiceLimits:
             "max_waiting_per_peer",
             "max_waiting_calls",
             "max_watches",
+            "max_streams_per_peer",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; expected >= 1")

@@ -312,6 +312,10 @@ class AggregatorServicer:
             except Exception as error:  # the request stream broke: end the call with it
                 answers.put_nowait(_Streamed(b"", ending=UnavailableError(f"the request stream failed: {error}")))
 
+        try:  # counted per client host, whatever connection it came on
+            self.waiting.open_stream(peer)
+        except RoundError as error:
+            await _abort(context, error)
         self._push_streams.add(answers)
         reader = asyncio.create_task(read())
         read_all = False
@@ -335,6 +339,7 @@ class AggregatorServicer:
                 if answer.slot is None:
                     unadmitted.release()  # refused before its round: its place was held until now
         finally:
+            self.waiting.close_stream(peer)
             self._push_streams.discard(answers)
             reader.cancel()
             for task in list(pushes):

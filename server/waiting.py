@@ -1,9 +1,15 @@
-"""Caps on pushes waiting for their rounds (PushPull calls, pushes on streams), per job, per client host and in all.
+"""Caps on pushes waiting for their rounds (PushPull calls, pushes on streams), per job, per client host and in all;
+and on the push streams one client host holds open.
 
 A waiting PushPull holds no thread (it waits on the server's event loop),
 but it does hold its coroutine and gRPC's call state until its round ends or
 its client gives up. The caps keep one job or one host from taking all the
 calls the server admits, and keep that memory bounded.
+
+A client may open several connections to a shard (a long path fills one
+connection's send buffer), each with its push stream; every stream may hold
+requests not yet in their rounds. So the streams are counted per client host,
+whatever connection they came on, and one past ``streams_per_peer`` is refused.
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ class WaitingCalls:
         per_job: most waiting calls of one job (--max-waiting-per-job).
         per_peer: most waiting calls from one client host (--max-waiting-per-peer).
         total: most waiting calls in all (--max-waiting-calls).
+        streams_per_peer: most PushPullStream calls open at once from one client host (--max-streams-per-peer).
     """
 
-    def __init__(self, per_job: int, per_peer: int, total: int) -> None:
+    def __init__(self, per_job: int, per_peer: int, total: int, streams_per_peer: int = 128) -> None:
         self.per_job = per_job
         self.per_peer = per_peer
         self.total = total
+        self.streams_per_peer = streams_per_peer
+        self._streams: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._jobs: Counter[str] = Counter()
         self._peers: Counter[str] = Counter()
@@ -79,3 +88,30 @@ class WaitingCalls:
                 counter[key] -= 1
                 if not counter[key]:
                     del counter[key]
+
+    def open_stream(self, peer: str) -> None:
+        """Count a push stream of ``peer`` (a client host); hand it back with ``close_stream``.
+
+        Raises:
+            ResourceExhaustedError: naming the cap, when ``peer`` holds as many open already (nothing is taken).
+        """
+        with self._lock:
+            if self._streams[peer] >= self.streams_per_peer:
+                raise ResourceExhaustedError(
+                    f"client {peer} has {self._streams[peer]} push streams open, its limit "
+                    f"(--max-streams-per-peer={self.streams_per_peer}), counted over all its connections; "
+                    f"retry when one ends"
+                )
+            self._streams[peer] += 1
+
+    def close_stream(self, peer: str) -> None:
+        """Give back a stream counted by ``open_stream``."""
+        with self._lock:
+            self._streams[peer] -= 1
+            if not self._streams[peer]:
+                del self._streams[peer]
+
+    def streams(self, peer: str) -> int:
+        """Push streams ``peer`` holds open now."""
+        with self._lock:
+            return self._streams[peer]
