@@ -333,7 +333,7 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         "last answer, median of the timed rounds (after one warm-up round), every host's rounds pooled. Worker links "
         "at the rate; the aggregator's at the sum of theirs. Bound = payload / rate + 2 round trips. Raw TCP on the "
         "same path (worker to aggregator host): fresh connections carrying the payload (from the first connect to "
-        "the last byte received) and steady streams.",
+        f"the last byte received) and steady streams. {args.note}",
         "",
         "| round trip | rate | payload per host | chunks, window | gradq s (min-max) | gradq MB/s per host | "
         "of link rate | bound s | gradq / bound | "
@@ -399,6 +399,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--elements", type=int, default=50_000_000, help="push: float32 elements per host")
     parser.add_argument("--bits", type=int, default=4, help="push: bits per element")
     parser.add_argument("--rounds", type=int, default=3, help="push: timed rounds (after one warm-up)")
+    parser.add_argument("--note", default="", help="a sentence for the report's setup (e.g. which gradq tree ran)")
     args = parser.parse_args(argv)
     if args.rtts is None:
         args.rtts = [50.0, 100.0] if args.report else [0.0, 50.0, 100.0]
