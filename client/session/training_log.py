@@ -95,7 +95,7 @@ class SessionEvents:
         if config.elastic_hosts:
             place = f"elastic, member {host.host}, starts with {config.elastic_hosts} hosts"
         else:
-            place = f"{host.hosts} member(s)"
+            place = f"fixed, {host.hosts} member(s)"
         log.info(
             "connected to aggregator %s: job %s (%s), %s at %d bits, error feedback %s",
             ",".join(config.addresses),
@@ -185,9 +185,9 @@ class TrainingSummary:
         else:
             dtype = stats.dtype or "float32"
             parts.append(
-                f"sent {_mb(stats.bytes_sent)} for {_mb(stats.uncompressed_bytes)} of {dtype} "
+                f"sent {_size(stats.bytes_sent)} for {_size(stats.uncompressed_bytes)} of {dtype} "
                 f"({stats.bytes_sent / stats.uncompressed_bytes:.3f}x of {dtype}, {stats.compression_ratio:.1f}x "
-                f"smaller), received {_mb(stats.bytes_received)}, {stats.pushes} pushes"
+                f"smaller), received {_size(stats.bytes_received)}, {stats.pushes} pushes"
             )
         late = f", late rounds {self.late_rounds}" if self.loop == "DiLoCo" else ""
         skipped = (stats.skipped_rounds, stats.partial_rounds) if stats is not None else (0, 0)
@@ -223,8 +223,12 @@ def _sum(stats: list[ClientStats]) -> ClientStats:
     )
 
 
-def _mb(count: int) -> str:
-    return f"{count / 1e6:.2f} MB"
+def _size(count: int) -> str:
+    """Bytes as a person reads them: 812 B, 35.2 kB, 1.25 MB, 3.10 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.{2 if scale > 1e3 else 1}f} {unit}"
+    return f"{count} B"
 
 
 def _ids(members: list[int]) -> str:
