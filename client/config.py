@@ -18,6 +18,7 @@ from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.env import CODECS, DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS, HOST_GROUPINGS, hook_arguments_from_env
 from gradq.client.security import ChannelSecurity
 from gradq.client.window import check_max_in_flight
+from gradq.proto.address import split_address
 from gradq.qcore import QuantConfig
 
 __all__ = ["CODECS", "DEFAULT_HOOK_IN_FLIGHT", "FALLBACKS", "HOST_GROUPINGS", "GradqConfig"]
@@ -95,6 +96,12 @@ class GradqConfig:
         object.__setattr__(self, "addresses", addresses)
         if not addresses or not all(isinstance(address, str) and address for address in addresses):
             raise ValueError(f"addresses={list(addresses)!r} is invalid; expected at least one 'host:port'")
+        for index, address in enumerate(addresses):
+            try:
+                split_address(address)
+            except ValueError as error:
+                field_name = "addresses" if len(addresses) == 1 else f"addresses[{index}]"
+                raise ValueError(f"{field_name}={address!r} (GRADQ_AGGREGATORS) is invalid; {error}") from None
         if not isinstance(self.quant, QuantConfig):
             raise ValueError(f"config={self.quant!r} is invalid; expected a gradq.qcore.QuantConfig")
         if not self.quant.scheme.is_quantized:

@@ -7,8 +7,8 @@ order, so the configuration names one address however many shards there are.
 An entry whose host is empty or a wildcard (``:50052``, ``0.0.0.0:50052``)
 stands for the host the worker dialed. A shard alone answers an empty group
 and a server older than the RPC answers UNIMPLEMENTED: both leave the one
-address as it is. The worker imports no server code, so the address parsing
-here is its own.
+address as it is. The worker imports no server code: an address's form is
+gradq.proto.address's, which both sides read.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import grpc
 
 from gradq.client.sending import AggregationError
+from gradq.proto.address import split_address
 from gradq.proto.v1 import aggregator_pb2 as pb
 
 __all__ = ["discover_shards", "resolve_group"]
@@ -26,7 +27,7 @@ __all__ = ["discover_shards", "resolve_group"]
 log = logging.getLogger(__name__)
 
 # Hosts a shard may advertise that mean "the host the worker dialed".
-_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+_WILDCARDS = ("", "0.0.0.0", "[::]")
 _MALFORMED = grpc.StatusCode.FAILED_PRECONDITION  # a configuration to fix, never a reason to fall back
 
 
@@ -119,7 +120,7 @@ def resolve_group(address: str, advertised: Sequence[str]) -> list[str]:
 
 def _split(address: str) -> tuple[str, int] | None:
     """(host, port) of ``host:port`` (the host possibly empty or ``[v6]``); None when it is not one."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() or c == "," for c in host):
+    try:
+        return split_address(address, host_required=False)
+    except ValueError:
         return None
-    return host, int(port)

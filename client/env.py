@@ -21,6 +21,7 @@ from typing import Any
 
 from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.security import ChannelSecurity
+from gradq.proto.address import split_address
 from gradq.qcore import QuantConfig, Scheme
 
 __all__ = [
@@ -203,10 +204,12 @@ def parse_bit_policy(text: str) -> str:
 
 
 def parse_addresses(text: str) -> list[str]:
-    """Comma-separated host:port, in shard order."""
+    """Comma-separated host:port, in shard order: each with a port in 1..65535, no scheme, an IPv6 host in brackets."""
     addresses = [address.strip() for address in text.split(",") if address.strip()]
     if not addresses:
         raise ValueError("expected 'host:port[,host:port...]'")
+    for address in addresses:
+        split_address(address)
     return addresses
 
 

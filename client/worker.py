@@ -23,6 +23,7 @@ from gradq.client.chunks import (
     chunk_key,
     shard_for,
 )
+from gradq.client.contact import check_resolvable, explain_no_answer
 from gradq.client.discovery import discover_shards
 from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState
 from gradq.client.membership import ShardMembership
@@ -279,20 +280,27 @@ class WorkerClient:
         in the group's order, and ``addresses`` lists them.
 
         Raises:
-            AggregationError: a shard refused the join or could not be reached,
+            AggregationError: a shard refused the join or could not be reached (at
+                the first join an UnreachableError, saying what its address answered),
                 or the one shard's group is malformed or does not contain it.
         """
-        if self._discover and not any(self.membership.joined):
-            group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
-            self._discover = False
-            if group != self.addresses:
-                self._sender.close()  # replaced by the group's; nothing was pushed through it yet
-                self._open_shards(group)
-        # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
-        # not before it: an elastic joiner's wait for the state begins at the Join, and a push
-        # that needs a kernel still loading waits in numba's compile lock, not in a race.
-        threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
-        self.membership.join()
+        first = not any(self.membership.joined)
+        if first:  # a name that does not resolve fails now, not at the connect deadline (gradq.client.contact)
+            check_resolvable(self.addresses)
+        try:
+            if self._discover and first:
+                group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
+                self._discover = False
+                if group != self.addresses:
+                    self._sender.close()  # replaced by the group's; nothing was pushed through it yet
+                    self._open_shards(group)
+            # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
+            # not before it: an elastic joiner's wait for the state begins at the Join, and a push
+            # that needs a kernel still loading waits in numba's compile lock, not in a race.
+            threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
+            self.membership.join()
+        except AggregationError as error:  # a first contact that got no answer says what the address answered
+            raise (explain_no_answer(error, self.security, self.timeout_s) if first else error) from None
 
     # -- membership, as gradq.client.membership keeps it ------------------------------------------
 

@@ -18,13 +18,16 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gradq.proto.transport import speaks_tls
+from gradq.proto.address import describe_no_answer, probe_address, split_address
 from gradq.server.env import HEALTHCHECK_ENVIRONMENT, flag_type, read_variable
 
 __all__ = ["is_serving", "main"]
 
 # A probe's deadline: a container health check must answer well within its own timeout.
 _TIMEOUT_S = 2.0
+# How the check's TLS settings are named in what it says to change.
+_CA = "--ca PEM (GRADQ_TLS_CA)"
+_CLIENT_PAIR = "--cert and --key (GRADQ_TLS_CLIENT_CERT, GRADQ_TLS_CLIENT_KEY)"
 
 
 def is_serving(
@@ -64,22 +67,8 @@ def _health(
 
 def _why_no_answer(address: str, over_tls: bool) -> str:
     """What a failed check most likely means, in flags to pass; reached only when the call itself failed."""
-    tls = speaks_tls(address)
-    if tls is None:
-        return "nothing accepts connections there: is the aggregator running, on that host and port?"
-    if tls and not over_tls:
-        return (
-            "it answers TLS: the aggregator may be serving TLS; pass --ca PEM (or GRADQ_TLS_CA), the CA that "
-            "signed its certificate, and --cert/--key (GRADQ_TLS_CLIENT_CERT/KEY) under mutual TLS"
-        )
-    if not tls and over_tls:
-        return "it answers plaintext, not TLS: check without --ca (and GRADQ_TLS_CA)"
-    if over_tls:
-        return (
-            "it serves TLS but the check failed: is --ca the CA that signed its certificate, and under mutual TLS "
-            "are --cert and --key given?"
-        )
-    return "it accepts connections but did not answer the gRPC health check"
+    reach = probe_address(address, _TIMEOUT_S)
+    return describe_no_answer(address, reach, over_tls, _TIMEOUT_S, _CA, _CLIENT_PAIR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             flag, type=flag_type(env), default=files[env], help=f"{HEALTHCHECK_ENVIRONMENT[env]} [env {env}]"
         )
     args = parser.parse_args(argv)
+    try:
+        if args.address:
+            split_address(args.address)
+    except ValueError as error:
+        parser.error(f"address={args.address!r} is invalid; {error}")
     if args.ca is None and serves_tls:
         parser.error(
             f"GRADQ_TLS_CERT={str(serves_tls)!r} says the aggregator serves TLS, but no CA is given; expected --ca PEM "

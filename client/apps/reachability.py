@@ -3,8 +3,9 @@
 A rank that cannot reach its aggregator would otherwise learn it at its first
 backward, after the rendezvous and the connect timeout, as a traceback from
 inside autograd. This waits for the standard gRPC health check instead (no
-token needed) and, when it fails, says what the address answered: nothing,
-TLS to a plaintext check, or plaintext to a TLS one.
+token needed) and, when it fails, says what the address answered, as a
+worker's first Join does (gradq.client.contact): a name that does not resolve
+(at once), refused, timed out, TLS to a plaintext check, or the reverse.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gradq.client.contact import check_resolvable, explain_no_answer
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
-from gradq.proto.transport import speaks_tls
 
 __all__ = ["wait_for_aggregators"]
 
@@ -30,10 +31,12 @@ def wait_for_aggregators(addresses: Sequence[str], timeout_s: float, security: C
         security: TLS settings of the channels (the token is not needed).
 
     Raises:
-        AggregationError: a shard did not answer SERVING in time; the message
-            names it, how long it was tried and, where the cause can be told,
-            the cause.
+        ValueError: an address is not host:port.
+        AggregationError: a shard did not answer SERVING in time (an UnreachableError
+            when it gave no answer: the message names it, how long it was tried and
+            what the address answered), or its host name does not resolve.
     """
+    check_resolvable(addresses)
     for address in addresses:
         _wait_for(address, timeout_s, security or ChannelSecurity())
 
@@ -45,33 +48,10 @@ def _wait_for(address: str, timeout_s: float, security: ChannelSecurity) -> None
                 health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
             )
         except grpc.RpcError as error:
-            # Waiting for readiness, only the deadline ends the call without an answer.
-            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                cause = _cause(address, over_tls=security.root_certificates is not None)
-                details = f"no answer, tried for {timeout_s:g} s: {cause}"
-            else:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 details = f"the health check failed: {error.details()} (not a gradq aggregator?)"
-            raise AggregationError(address, error.code(), details) from None
+                raise AggregationError(address, error.code(), details) from None
+            raise explain_no_answer(AggregationError.of_call(address, error), security, timeout_s) from None
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         raise AggregationError(address, grpc.StatusCode.UNAVAILABLE, f"it answers {status} (shutting down?)")
-
-
-def _cause(address: str, over_tls: bool) -> str:
-    """What the address answers, and which variables (flags of the same name in `gradq worker`) would fix it."""
-    tls = speaks_tls(address)
-    if tls is None:
-        return "nothing accepts connections at that host and port"
-    if tls and not over_tls:
-        return (
-            "it answers TLS, so the aggregator may be serving TLS: give the CA that signed its certificate "
-            "(GRADQ_TLS_CA)"
-        )
-    if not tls and over_tls:
-        return "it answers plaintext, not TLS: leave GRADQ_TLS_CA unset"
-    if over_tls:
-        return (
-            "it serves TLS but the handshake fails: check that GRADQ_TLS_CA is the CA that signed its certificate "
-            "and, under mutual TLS, set GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY"
-        )
-    return "it accepts connections but gives no gRPC answer (not a gradq aggregator?)"

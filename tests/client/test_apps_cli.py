@@ -106,8 +106,8 @@ def test_gradq_worker_with_a_dead_aggregator_says_where_it_waited_and_exits_2() 
     assert re.search(rf"waiting up to 0\.5 s for the aggregator at {address} \(--connect-timeout\)", completed.stdout)
     assert "loading torch" not in completed.stdout  # it fails before paying for torch
     assert completed.stderr.splitlines() == [
-        f"gradq worker: error: aggregator {address}: DEADLINE_EXCEEDED: no answer, tried for 0.5 s: nothing accepts "
-        "connections at that host and port; check --aggregator (GRADQ_AGGREGATORS), or wait longer with "
+        f"gradq worker: error: aggregator {address}: DEADLINE_EXCEEDED: connection refused at {address}: is `gradq "
+        "serve` running there, on that port?; check --aggregator (GRADQ_AGGREGATORS), or wait longer with "
         "--connect-timeout (GRADQ_CONNECT_TIMEOUT)"
     ]
 
@@ -118,8 +118,8 @@ def test_gradq_demo_with_a_dead_aggregator_is_one_line_and_exit_2() -> None:
     assert completed.returncode == 2
     assert f"waiting up to 0.5 s for the aggregator at {address}" in completed.stdout
     assert completed.stderr.splitlines() == [
-        f"gradq demo: error: aggregator {address}: DEADLINE_EXCEEDED: no answer, tried for 0.5 s: nothing accepts "
-        "connections at that host and port; check --aggregator, or wait longer with --connect-timeout"
+        f"gradq demo: error: aggregator {address}: DEADLINE_EXCEEDED: connection refused at {address}: is `gradq "
+        "serve` running there, on that port?; check --aggregator, or wait longer with --connect-timeout"
     ]
 
 

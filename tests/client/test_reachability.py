@@ -66,18 +66,18 @@ def test_nothing_listening_names_the_address_and_how_long_it_was_tried() -> None
         wait_for_aggregators([address], timeout_s=0.5)
     assert raised.value.address == address
     assert str(raised.value) == (
-        f"aggregator {address}: DEADLINE_EXCEEDED: no answer, tried for 0.5 s: nothing accepts connections at "
-        "that host and port"
+        f"aggregator {address}: DEADLINE_EXCEEDED: connection refused at {address}: is `gradq serve` running there, "
+        "on that port?"
     )
 
 
 def test_plaintext_to_a_tls_aggregator_says_tls_is_the_likely_cause(serve: Serve, tls: Tls) -> None:
     address = serve(tls[0])
-    with pytest.raises(AggregationError, match=r"it answers TLS, so the aggregator may be serving TLS: give the CA"):
+    with pytest.raises(AggregationError, match=r"speaks TLS; set GRADQ_TLS_CA to the CA that signed"):
         wait_for_aggregators([address], timeout_s=0.5)
     wait_for_aggregators([f"localhost:{address.rsplit(':', 1)[1]}"], 5.0, ChannelSecurity(root_certificates=tls[1]))
 
 
 def test_tls_to_a_plaintext_aggregator_says_so(serve: Serve, tls: Tls) -> None:
-    with pytest.raises(AggregationError, match="it answers plaintext, not TLS: leave GRADQ_TLS_CA unset"):
+    with pytest.raises(AggregationError, match="speaks plaintext, not TLS; leave GRADQ_TLS_CA unset"):
         wait_for_aggregators([serve()], timeout_s=0.5, security=ChannelSecurity(root_certificates=tls[1]))

@@ -70,9 +70,9 @@ def test_a_plaintext_probe_of_a_tls_aggregator_says_tls_is_the_cause(serve: Serv
     completed = check(f"127.0.0.1:{port}")
     assert completed.returncode == 1
     assert completed.stdout.splitlines() == [
-        f"127.0.0.1:{port}: not serving; it answers TLS: the aggregator may be serving TLS; pass --ca PEM "
-        "(or GRADQ_TLS_CA), the CA that signed its certificate, and --cert/--key (GRADQ_TLS_CLIENT_CERT/KEY) "
-        "under mutual TLS"
+        f"127.0.0.1:{port}: not serving; the aggregator at 127.0.0.1:{port} speaks TLS; set --ca PEM (GRADQ_TLS_CA) "
+        "to the CA that signed its certificate (and --cert and --key (GRADQ_TLS_CLIENT_CERT, GRADQ_TLS_CLIENT_KEY) "
+        "under mutual TLS)"
     ]
 
 
@@ -81,7 +81,8 @@ def test_a_tls_probe_of_a_plaintext_aggregator_says_so(serve: Serve, pem_files: 
     completed = check(f"localhost:{port}", "--ca", str(pem_files["ca"]))
     assert completed.returncode == 1
     assert completed.stdout.splitlines() == [
-        f"localhost:{port}: not serving (TLS); it answers plaintext, not TLS: check without --ca (and GRADQ_TLS_CA)"
+        f"localhost:{port}: not serving (TLS); the aggregator at localhost:{port} speaks plaintext, not TLS; leave "
+        "--ca PEM (GRADQ_TLS_CA) unset"
     ]
 
 
@@ -90,8 +91,8 @@ def test_nothing_listening_is_named() -> None:
     completed = check(f"127.0.0.1:{port}")
     assert completed.returncode == 1
     assert completed.stdout.splitlines() == [
-        f"127.0.0.1:{port}: not serving; nothing accepts connections there: is the aggregator running, on that "
-        "host and port?"
+        f"127.0.0.1:{port}: not serving; connection refused at 127.0.0.1:{port}: is `gradq serve` running there, on "
+        "that port?"
     ]
 
 
