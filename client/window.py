@@ -206,11 +206,11 @@ class PathEstimate:
     @property
     def queueing(self) -> bool:
         """The latest answers come much later than the shortest round trip: a queue is building."""
-        return bool(self._recent_rtt) and self._recent_rtt > _QUEUE_FACTOR * self._min_rtt
+        return bool(self._recent_rtt) and self._recent_rtt > _QUEUE_FACTOR * self.min_rtt
 
     def bdp(self) -> float:
         """The bandwidth-delay product, bytes: what the path holds in one round trip."""
-        return self.rate * self._min_rtt
+        return self.rate * self.min_rtt
 
     def target(self) -> float:
         """The bytes a window should hold: twice the product, once while a queue builds, none while draining."""

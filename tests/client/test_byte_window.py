@@ -33,9 +33,13 @@ class SimulatedPath:
     answered: int = 0
 
     def __post_init__(self) -> None:
+        given = {"max_bytes": 256 * MIB, "max_pushes": 1000, "connection_bytes": 4 * MIB, **self.settings_of}
         settings = WindowSettings(
+            max_bytes=given["max_bytes"],
+            max_pushes=given["max_pushes"],
+            max_connections=given.get("max_connections", 8),
+            connection_bytes=given["connection_bytes"],
             path_estimate=lambda: PathEstimate(lambda: self.now),
-            **{"max_bytes": 256 * MIB, "max_pushes": 1000, "connection_bytes": 4 * MIB, **self.settings_of},
         )
         self.window: ShardWindow[int] = ShardWindow(1, 2, settings)
         self._events: list[tuple[float, int]] = []

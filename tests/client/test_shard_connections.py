@@ -1,0 +1,136 @@
+"""A real aggregator on loopback, the window driven by an injected round trip: it grows, opens connections, shrinks.
+
+Loopback has no delay, so the shortest round trip the window measures is
+replaced by one the test sets (100 ms: a path between regions); the rates
+are measured for real. Rank 1 holds its pushes back until rank 0 has
+queued a step's, so rank 0's pushes stay in flight and what its window
+admitted can be read off it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gradq.client import WorkerClient, serde
+from gradq.client.shard_connections import ShardConnections
+from gradq.client.window import PathEstimate, WindowSettings
+from gradq.qcore import QuantConfig, Scheme, decode, encode
+from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.policy import RoundPolicy
+
+EXACT = QuantConfig(scheme=Scheme.FLOAT32)
+ELEMENTS = 1 << 16  # 256 KiB a push
+PUSH_BYTES = ELEMENTS * 4
+CAP = 16 * PUSH_BYTES  # 4 MiB in flight at most
+CONNECTION_BYTES = 4 * PUSH_BYTES
+BUCKETS = 32
+
+
+class InjectedPath(PathEstimate):
+    """The path as measured, but with the shortest round trip the test sets."""
+
+    rtt = 0.1
+
+    @property
+    def min_rtt(self) -> float:
+        return InjectedPath.rtt
+
+
+@pytest.fixture
+def server() -> Iterator[AggregatorServer]:
+    aggregator = AggregatorServer(RoundPolicy(world_size=2, round_timeout_s=20.0), ServerOptions("127.0.0.1:0"))
+    aggregator.start()
+    yield aggregator
+    aggregator.stop()
+
+
+@pytest.fixture
+def clients(server: AggregatorServer) -> Iterator[list[WorkerClient]]:
+    settings = WindowSettings(
+        max_bytes=CAP, connection_bytes=CONNECTION_BYTES, max_connections=8, path_estimate=InjectedPath
+    )
+    address = f"127.0.0.1:{server.port}"
+    made = [
+        WorkerClient(address, "paths", rank, 2, EXACT, chunk_elements=0, max_in_flight=2, window=settings)
+        for rank in range(2)
+    ]
+    for client in made:
+        client.join()
+    yield made
+    for client in made:
+        client.close()
+
+
+def values(rank: int, step: int, bucket: int) -> np.ndarray:
+    return np.full(ELEMENTS, rank * 1000 + step * 10 + bucket, np.float32)
+
+
+def step(clients: list[WorkerClient], number: int) -> tuple[int, int]:
+    """Rank 0 queues the step's buckets, then rank 1 pushes: returns rank 0's (pushes, bytes) in flight meanwhile."""
+    first = [clients[0].push_pull_async(number, bucket, values(0, number, bucket)) for bucket in range(BUCKETS)]
+    held = clients[0]._sender.window.in_flight(0)
+    second = [clients[1].push_pull_async(number, bucket, values(1, number, bucket)) for bucket in range(BUCKETS)]
+    for bucket, (a, b) in enumerate(zip(first, second, strict=True)):
+        expected = (values(0, number, bucket) + values(1, number, bucket)) / 2
+        np.testing.assert_array_equal(a.result(timeout=30), expected)
+        np.testing.assert_array_equal(b.result(timeout=30), expected)
+    return held
+
+
+def test_pushes_in_flight_grow_to_the_path_over_several_connections_and_shrink_back(
+    clients: list[WorkerClient],
+) -> None:
+    InjectedPath.rtt = 0.1
+    # The first step: no answer yet, so the window holds its count of pushes.
+    pushes, in_flight = step(clients, 0)
+    request_bytes = in_flight // 2  # a push's request: its payload and a few dozen bytes of fields
+    assert pushes == 2 and PUSH_BYTES < request_bytes < PUSH_BYTES + 256
+    # Answers measured a rate: at 100 ms loopback's rate holds far more than the cap, which the window fills.
+    pushes, in_flight = step(clients, 1)
+    assert pushes == CAP // request_bytes and in_flight <= CAP, (pushes, in_flight)
+    window = clients[0]._sender.window
+    assert window.window_bytes(0) == CAP
+    transport = clients[0]._sender.transports[0]
+    assert isinstance(transport, ShardConnections)
+    assert transport.opened == CAP // CONNECTION_BYTES  # one connection per send buffer of the window
+    # The path shortens (a LAN): the window falls back to its count, the connections stay open for later.
+    InjectedPath.rtt = 1e-6
+    assert step(clients, 2)[0] == 2
+    assert window.connections(0) == 1 and transport.opened == CAP // CONNECTION_BYTES
+
+
+def test_a_resend_on_another_connection_is_counted_once(server: AggregatorServer, clients: list[WorkerClient]) -> None:
+    InjectedPath.rtt = 0.1
+    step(clients, 0)
+    step(clients, 1)  # the window now wants several connections
+    transport = clients[0]._sender.transports[0]
+    assert isinstance(transport, ShardConnections) and transport.opened > 1
+    mine = serde.push_pull_request(
+        "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=clients[0].incarnations[0], sequence=10**6
+    )
+    resend = serde.push_pull_request(
+        "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=clients[0].incarnations[0], sequence=10**6 + 1
+    )
+    sent = transport.send(mine, 10**6)
+    again = transport.send(resend, 10**6 + 1)  # the first connection holds the first: the least loaded is another
+    assert sum(1 for loaded in transport.in_flight() if loaded) == 2, "both copies went on one connection"
+    counted = server.table.counters["contributions"]
+    other = clients[1].push_pull_async(2, 0, values(1, 2, 0))
+    expected = (values(0, 2, 0) + values(1, 2, 0)) / 2
+    np.testing.assert_array_equal(other.result(timeout=30), expected)  # rank 0's push counted once, not twice
+    for reply in (sent, again):
+        mean = serde.mean_from_bytes(_settled(reply), ELEMENTS)
+        np.testing.assert_array_equal(decode(mean.tensor), expected)
+    assert server.table.counters["contributions"] == counted + 2  # two ranks in the round
+
+
+def _settled(reply: object, timeout_s: float = 30.0) -> bytes:
+    done = threading.Event()
+    reply.add_done_callback(lambda _: done.set())  # type: ignore[attr-defined]
+    assert done.wait(timeout_s), "no answer to the push"
+    assert reply.code().name == "OK", reply.details()  # type: ignore[attr-defined]
+    return bytes(reply.result())  # type: ignore[attr-defined]
