@@ -51,7 +51,7 @@ _GROUPS: dict[str, list[_Flag]] = {
         _Flag("--port", "GRADQ_PORT", int(_PORT), "PORT"),
         _Flag("--port-file", "GRADQ_PORT_FILE", None, "PATH"),
         _Flag("--max-workers", "GRADQ_MAX_WORKERS", _SERVER.max_workers, "N"),
-        _Flag("--max-message-bytes", "GRADQ_MAX_MESSAGE_BYTES", _SERVER.max_message_bytes, "BYTES", shown="1 GiB"),
+        _Flag("--max-message-bytes", "GRADQ_MAX_MESSAGE_BYTES", _SERVER.max_message_bytes, "BYTES"),
         _Flag(
             "--keepalive-timeout",
             "GRADQ_KEEPALIVE_TIMEOUT",
@@ -92,7 +92,7 @@ _GROUPS: dict[str, list[_Flag]] = {
         _Flag("--max-waiting-calls", "GRADQ_MAX_WAITING_CALLS", _LIMITS.max_waiting_calls, "N"),
         _Flag("--max-watches", "GRADQ_MAX_WATCHES", _LIMITS.max_watches, "N"),
         _Flag("--max-streams-per-peer", "GRADQ_MAX_STREAMS_PER_PEER", _LIMITS.max_streams_per_peer, "N"),
-        _Flag("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", _POLICY.max_bucket_elements, "N", shown="2**28"),
+        _Flag("--max-bucket-elements", "GRADQ_MAX_BUCKET_ELEMENTS", _POLICY.max_bucket_elements, "N"),
     ],
     "security": [
         _Flag("--tls-cert", "GRADQ_TLS_CERT", None, "PEM"),
@@ -140,14 +140,16 @@ def _name_flags(message: str, argv: Sequence[str]) -> str:
     return message
 
 
-def _show(value: Any) -> str:
-    """A default as --help says it."""
+def _show(value: Any, metavar: str) -> str:
+    """A default as --help says it (``metavar``: the flag's, e.g. BYTES)."""
     if isinstance(value, Enum):
         return value.name.lower()
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, tuple):
         return ",".join(map(str, value))
+    if metavar == "BYTES" and isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 30} GiB" if value % (1 << 30) == 0 else f"{value >> 20} MiB"  # not 1073741824
     return str(value)
 
 
@@ -195,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
             except ValueError as error:
                 parser.error(str(error))
             default = option.default if value is None else value
-            shown = _show(value) if value is not None else option.shown or _show(option.default)
+            shown = (
+                _show(value, option.metavar)
+                if value is not None
+                else option.shown or _show(option.default, option.metavar)
+            )
             said = "" if value is None and option.default is None and not option.shown else f" (default {shown})"
             group.add_argument(
                 option.flag,
