@@ -25,9 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _load(name: str) -> ModuleType:
-    """A bench module by file (bench/ is no package; its modules import each other by bare name)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    """A bench module by file (bench/ is no package); delay_line imports nothing else from bench/."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
