@@ -45,7 +45,8 @@ class GradqConfig:
         connect_timeout_s: how long the first join waits for the aggregator.
         security: TLS, mutual TLS and/or bearer token for the aggregator channels.
         chunk_elements: tensors above this travel as several rounds (see WorkerClient).
-        max_in_flight: pushes per shard on the wire at once (see
+        max_in_flight: pushes per shard on the wire at once however short the
+            path, more while they fit its bandwidth-delay product (see
             gradq.client.window); None sends a step's chunks all at once.
         codec: where tensors are quantized: "auto" (on their device: the torch
             codec for GPU tensors, numpy for CPU ones), "torch" (on their
