@@ -76,7 +76,7 @@ _GROUPS: dict[str, list[_Flag]] = {
         _Flag("--max-steps-ahead", "GRADQ_MAX_STEPS_AHEAD", _LIMITS.max_steps_ahead, "N"),
         _Flag("--max-open-rounds", "GRADQ_MAX_OPEN_ROUNDS", _LIMITS.max_open_rounds, "N"),
         _Flag("--max-memory-bytes", "GRADQ_MAX_MEMORY_BYTES", _LIMITS.max_memory_bytes, "BYTES", shown="half the RAM"),
-        _Flag("--max-job-memory-bytes", "GRADQ_MAX_JOB_MEMORY_BYTES", -1, "BYTES", shown="a quarter of the budget"),
+        _Flag("--max-job-memory-bytes", "GRADQ_MAX_JOB_MEMORY_BYTES", -1, "BYTES", shown="a quarter of it"),
         _Flag("--max-jobs", "GRADQ_MAX_JOBS", _LIMITS.max_jobs, "N"),
         _Flag("--max-jobs-per-peer", "GRADQ_MAX_JOBS_PER_PEER", -1, "N", shown="--max-jobs"),
         _Flag("--max-world-size", "GRADQ_MAX_WORLD_SIZE", _LIMITS.max_world_size, "N"),

@@ -46,8 +46,7 @@ SERVE_ENVIRONMENT = {
     "GRADQ_PARTIAL_QUORUM": "0: strict rounds; N: at its deadline a round of >= N ranks completes over them",
     "GRADQ_RETURN_SCHEME": "grid of the mean sent back: same (as the pushes), fp16, fp32 or a scheme",
     "GRADQ_RETURN_BITS": "bits of a quantized --return-scheme",
-    "GRADQ_SERVER_ERROR_FEEDBACK": "carry each mean's re-quantization error into its next round: auto (uniform "
-    "grids of 4 bits or fewer), true or false",
+    "GRADQ_SERVER_ERROR_FEEDBACK": "carry each mean's rounding error into its next round (auto: on grids of <= 4 bits)",
     "GRADQ_RETAIN_STEPS": "completed steps kept to answer retried pushes",
     "GRADQ_MAX_STEPS_AHEAD": "how far a new round's step may run past the job's newest completed one",
     "GRADQ_MAX_OPEN_ROUNDS": "rounds of one job in flight at once",
@@ -56,7 +55,7 @@ SERVE_ENVIRONMENT = {
     "GRADQ_MAX_JOBS": "jobs known at once; a new job's Join past it is refused",
     "GRADQ_MAX_JOBS_PER_PEER": "jobs one client host may have started that are still held",
     "GRADQ_MAX_WORLD_SIZE": "largest job a Join may ask for, in ranks",
-    "GRADQ_JOB_IDLE_TIMEOUT": "seconds without a Join, PushPull or Leave before a job is forgotten",
+    "GRADQ_JOB_IDLE_TIMEOUT": "seconds a job may go without a call before it is forgotten",
     "GRADQ_MAX_WAITING_PER_JOB": "pushes of one job waiting for their rounds at once",
     "GRADQ_MAX_WAITING_PER_PEER": "pushes from one client host waiting at once",
     "GRADQ_MAX_WAITING_CALLS": "pushes waiting at once in all (~25 KB each, no thread)",
@@ -67,7 +66,7 @@ SERVE_ENVIRONMENT = {
     "GRADQ_NON_FINITE": "a rank's NaN/Inf gradients: reject fails the round, skip returns zeros marked skipped",
     "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (4 bytes each to accumulate)",
     "GRADQ_GRACE": "seconds rounds in flight get to finish after SIGTERM",
-    "GRADQ_KEEPALIVE_TIMEOUT": "seconds an unanswered ping (sent every second) waits before its rank is lost",
+    "GRADQ_KEEPALIVE_TIMEOUT": "seconds an unanswered ping waits before its rank is lost",
     "GRADQ_EXIT_AFTER_JOBS": "exit 0 once N jobs have finished (every rank left); 0: serve until SIGTERM",
     "GRADQ_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "GRADQ_LOG_FORMAT": "text, or json (one object per line, for log shippers)",
@@ -80,7 +79,7 @@ SERVE_ENVIRONMENT = {
     "GRADQ_SHARDS": "run N shard processes on consecutive ports from --port, restarting any that dies",
     "GRADQ_SHARD_PORTS": "each shard's port, comma-separated, instead of consecutive ones",
     "GRADQ_ADVERTISE_HOST": "host the workers reach the shards at (unset: the host each worker dialed)",
-    "GRADQ_SHARD_GROUP": "host:port of every shard of this one's group, comma-separated, told to workers",
+    "GRADQ_SHARD_GROUP": "every shard's host:port in this one's group, told to workers",
 }
 
 # Variable -> what it sets, for the health check alone (it reads GRADQ_PORT and GRADQ_TLS_CERT of the table above).
