@@ -30,7 +30,6 @@ delay-line processes are removed on exit, also on errors and signals.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import signal
@@ -363,6 +362,16 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _wait_for_free_namespaces(timeout_s: float = 1800.0) -> None:
+    """Wait while another benchmark holds the gradq-* namespaces (they are one set per machine)."""
+    deadline = time.monotonic() + timeout_s
+    while leftovers := netns.leftover_namespaces():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"namespaces {', '.join(leftovers)} still exist after {timeout_s:.0f} s")
+        print(f"waiting for another run's namespaces ({', '.join(leftovers)}) ...", file=sys.stderr, flush=True)
+        time.sleep(10.0)  # a poll of a state another process owns, with a deadline
+
+
 # -- command line ------------------------------------------------------------------------------------
 
 
@@ -425,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_on_signal)
-    atexit.register(lambda: netns.remove_namespaces(netns.leftover_namespaces()))
+    _wait_for_free_namespaces()
     path: Path = args.report or args.push
     rows: Sequence[Any]
     if args.report:
