@@ -4,8 +4,10 @@
 same names through the functions here, so one environment configures either,
 with the same parsing, the same defaults and the same errors (naming the
 variable, its value and what was expected). A variable left unset (or empty)
-leaves the GradqConfig default. GRADQ_TLS_CLIENT_CERT/KEY are the worker's
-own certificate (GRADQ_TLS_CERT is the aggregator's, in `gradq serve`).
+leaves the GradqConfig default; a GRADQ_* name no part of gradq reads is
+warned of, with the closest one that is (gradq.client.variable_names).
+GRADQ_TLS_CLIENT_CERT/KEY are the worker's own certificate (GRADQ_TLS_CERT
+is the aggregator's, in `gradq serve`).
 Importing this module loads no torch, so `gradq worker` checks its environment
 before it pays for torch.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.security import ChannelSecurity
+from gradq.client.variable_names import warn_unknown_variables
 from gradq.proto.address import split_address
 from gradq.qcore import QuantConfig, Scheme
 
@@ -66,6 +69,8 @@ HOOK_ENVIRONMENT = {
     "GRADQ_JOB_ID": "the aggregator job shared by all ranks (unset: rank 0 draws one per run)",
     "GRADQ_CHUNK_ELEMENTS": "largest round a bucket is cut into, in elements",
     "GRADQ_CONNECT_TIMEOUT": "seconds the first Join waits for each aggregator shard",
+    "GRADQ_FALLBACK": "if the aggregator cannot be reached at start: error, or train without it: allreduce or "
+    "allgather (a fixed job's ranks; an elastic host cannot fall back)",
     "GRADQ_HOST": "this rank's host name: ranks with the same one reduce together first (unset: the launcher's)",
     "GRADQ_HOST_GROUPING": "auto (two-level where hosts hold several ranks) or flat",
     "GRADQ_ELASTIC_HOSTS": "0: a fixed job; N: an elastic job that starts once N hosts joined (needs GRADQ_JOB_ID)",
@@ -86,6 +91,7 @@ _HOOK_ARGUMENTS = {
     "job_id": "GRADQ_JOB_ID",
     "chunk_elements": "GRADQ_CHUNK_ELEMENTS",
     "connect_timeout_s": "GRADQ_CONNECT_TIMEOUT",
+    "fallback": "GRADQ_FALLBACK",
     "host": "GRADQ_HOST",
     "host_grouping": "GRADQ_HOST_GROUPING",
     "elastic_hosts": "GRADQ_ELASTIC_HOSTS",
@@ -196,6 +202,13 @@ def parse_host_grouping(text: str) -> str:
     return text
 
 
+def parse_fallback(text: str) -> str:
+    """One of FALLBACKS."""
+    if text not in FALLBACKS:
+        raise ValueError(f"expected one of: {', '.join(FALLBACKS)}")
+    return text
+
+
 def parse_bit_policy(text: str) -> str:
     """One of BIT_POLICIES."""
     if text not in BIT_POLICIES:
@@ -230,6 +243,7 @@ HOOK_PARSERS: dict[str, Callable[[str], Any]] = {
     "GRADQ_JOB_ID": str,
     "GRADQ_CHUNK_ELEMENTS": parse_integer(1),
     "GRADQ_CONNECT_TIMEOUT": parse_number(0, above=True),
+    "GRADQ_FALLBACK": parse_fallback,
     "GRADQ_HOST": str,
     "GRADQ_HOST_GROUPING": parse_host_grouping,
     "GRADQ_ELASTIC_HOSTS": parse_integer(0),
@@ -251,13 +265,18 @@ def hook_arguments_from_env(environ: Mapping[str, str] | None = None) -> dict[st
 
     Returns:
         ``addresses`` and whichever of ``config``, ``error_feedback``, ``job_id``,
-        ``chunk_elements``, ``connect_timeout_s``, ``host``, ``host_grouping``,
-        ``bit_policy``, ``average_bits`` and ``security`` the variables set.
+        ``chunk_elements``, ``connect_timeout_s``, ``fallback``, ``host``,
+        ``host_grouping``, ``elastic_hosts``, ``elastic_max_hosts``, ``bit_policy``,
+        ``average_bits`` and ``security`` the variables set.
+
+    Logs a warning (once per process and name) for each GRADQ_* variable set
+    that no part of gradq reads, naming the closest one that is.
 
     Raises:
         ValueError: GRADQ_AGGREGATORS is unset or empty, or a variable's value
             cannot be parsed; the message names the variable and the value.
     """
+    warn_unknown_variables(environ, HOOK_ENVIRONMENT)
     env = {
         name: value for name, value in (os.environ if environ is None else environ).items() if name in HOOK_ENVIRONMENT
     }

@@ -40,6 +40,7 @@ from gradq.client.apps.reachability import wait_for_aggregators
 from gradq.client.bit_policy import BIT_POLICIES
 from gradq.client.config import GradqConfig
 from gradq.client.env import (
+    HOOK_ENVIRONMENT,
     HOOK_PARSERS,
     HOST_GROUPINGS,
     flag_type,
@@ -50,6 +51,7 @@ from gradq.client.env import (
 )
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
+from gradq.client.variable_names import warn_unknown_variables
 from gradq.qcore import QuantConfig
 
 if TYPE_CHECKING:
@@ -69,6 +71,12 @@ _FIELD_FLAGS = {
         "GRADQ_CONNECT_TIMEOUT",
         "connect_timeout_s",
         "seconds to wait for each aggregator shard to answer, before training and at the first Join",
+    ),
+    "--fallback": (
+        "GRADQ_FALLBACK",
+        "fallback",
+        "if the aggregator cannot be reached at the first Join: error, or train without it: allreduce or allgather "
+        "(the check before training waits for it either way)",
     ),
     "--chunk-elements": ("GRADQ_CHUNK_ELEMENTS", "chunk_elements", "largest round a bucket is cut into"),
     "--host": ("GRADQ_HOST", "host", "this rank's host name: ranks with the same one reduce together first"),
@@ -235,6 +243,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             flag, type=flag_type(parse), default=default if value is None else value, help=f"{help_text} [env {env}]"
         )
 
+    warn_unknown_variables(environ, HOOK_ENVIRONMENT)
     read_variable(environ, "GRADQ_AGGREGATORS")  # checked now; read again where a flag may replace it
     parser.add_argument(
         "--aggregator",

@@ -81,8 +81,8 @@ def _fixed(*flags: str) -> list[str]:
 def test_every_flag_of_gradq_worker_is_the_hooks_or_the_apps(tmp_path: Path) -> None:
     flags, _ = _hook_flags(tmp_path)
     hook_flags = {flag[2:].replace("-", "_") for flag in flags if flag.startswith("--")}
-    # The addresses, which path, and the elastic path's cap: they reach the config too.
-    path_flags = {"aggregator", "elastic_hosts", "elastic_max_hosts"}
+    # The addresses, which path, the elastic path's cap and the fixed path's fallback: they reach the config too.
+    path_flags = {"aggregator", "elastic_hosts", "elastic_max_hosts", "fallback"}
     every_flag = {action.dest for action in cluster.build_parser({})._actions} - {"help"}
     assert every_flag == hook_flags | path_flags | APP_FLAGS
 
