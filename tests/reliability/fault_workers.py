@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import signal
@@ -12,6 +13,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 import numpy as np
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.qcore import QuantConfig, Scheme
@@ -53,13 +55,14 @@ def run_worker(
         for step in range(steps):
             if step == hang_at:
                 events.put((rank, step, True, "hanging", 0.0))
-                time.sleep(3600)
+                threading.Event().wait()  # hangs for good, connections open, until the test kills it
             if step == stop_at:
                 continued = threading.Event()
                 signal.signal(signal.SIGCONT, _setter(continued))
                 events.put((rank, step, True, "stopping", 0.0))  # the test SIGSTOPs us, then SIGCONTs
-                while not continued.is_set():
-                    time.sleep(0.01)
+                # Woken now and then: SIGCONT may land on a gRPC thread, and only the main thread runs its handler.
+                while not continued.wait(0.01):
+                    pass
             started = time.monotonic()
             try:
                 mean = client.push_pull(step, 0, gradient(rank, step))
@@ -70,7 +73,7 @@ def run_worker(
                 return
             exact = bool(np.array_equal(mean, exact_mean(world, step)))
             events.put((rank, step, exact, "exact" if exact else f"inexact: {mean[:4]}", time.monotonic() - started))
-            time.sleep(pause_s)
+            time.sleep(pause_s)  # the step's compute, simulated: the behaviour, not a wait for something
 
 
 def _setter(event: threading.Event) -> Callable[[int, FrameType | None], None]:
@@ -82,27 +85,22 @@ def _setter(event: threading.Event) -> Callable[[int, FrameType | None], None]:
     return handle
 
 
+# One worker's outcome: (rank, step, exact, detail, seconds).
+Event = tuple[int, int, bool, str, float]
+
+
 class Outcomes:
     """One queue per worker: a worker killed while holding its queue's lock blocks no one else."""
 
     def __init__(self, queues: list[mp.Queue]) -> None:
         self.queues = queues
 
-    def get(self, timeout: float) -> tuple[int, int, bool, str, float]:
-        """The next outcome from any worker; raises queue.Empty after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for source in self.queues:
-                try:
-                    return source.get_nowait()  # type: ignore[no-any-return]
-                except queue.Empty:
-                    pass
-            if time.monotonic() > deadline:
-                raise queue.Empty
-            time.sleep(0.01)
-
-    def empty(self) -> bool:
-        return all(source.empty() for source in self.queues)
+    def take(self) -> Event | None:
+        """The next outcome from any worker, or None while none has come (it never blocks)."""
+        for source in self.queues:
+            with contextlib.suppress(queue.Empty):
+                return source.get_nowait()  # type: ignore[no-any-return]
+        return None
 
 
 def start_workers(
@@ -132,17 +130,31 @@ def start_workers(
     return processes, Outcomes(queues)
 
 
-# One worker's outcome: (rank, step, exact, detail, seconds).
-Event = tuple[int, int, bool, str, float]
-
-
 def collect(events: Outcomes, count: int, timeout_s: float) -> list[Event]:
     """The next ``count`` outcomes from any worker; fails the test naming what came if they take longer."""
     found: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    while len(found) < count:
-        try:
-            found.append(events.get(max(0.1, deadline - time.monotonic())))
-        except queue.Empty:
-            raise AssertionError(f"waited {timeout_s} s for {count} outcomes; got {found}") from None
+
+    def enough() -> bool:
+        while len(found) < count and (event := events.take()) is not None:
+            found.append(event)
+        return len(found) >= count
+
+    wait_until(enough, f"{count} outcomes", timeout_s, detail=lambda: f"got {found}")
     return found
+
+
+def gather(
+    events: Outcomes, outcomes: dict[tuple[int, int], Event], done: Callable[[], bool], what: str, timeout_s: float
+) -> None:
+    """Record every outcome in ``outcomes`` by (rank, step) as it comes, until ``done()`` holds.
+
+    Raises:
+        AssertionError: ``done()`` did not hold within ``timeout_s``; the message names ``what`` and the outcomes.
+    """
+
+    def recorded() -> bool:
+        while (event := events.take()) is not None:
+            outcomes[event[:2]] = event
+        return done()
+
+    wait_until(recorded, what, timeout_s, detail=lambda: f"outcomes by (rank, step): {sorted(outcomes)}")
