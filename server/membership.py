@@ -110,7 +110,11 @@ class Membership:
         """
         if world_size != self.world_size:
             raise FailedPreconditionError(
-                f"world_size={world_size} does not match {describe()}, which has world_size={self.world_size}"
+                f"world_size={world_size} (the host's elastic_hosts, GRADQ_ELASTIC_HOSTS) does not match elastic "
+                f"{describe()}, which starts with {self.world_size} hosts (elastic_hosts={self.world_size}); every "
+                "host of an elastic job must set the same"
+                if self.elastic
+                else f"world_size={world_size} does not match {describe()}, which has world_size={self.world_size}"
             )
         if (job_ranks or world_size) != self.job_ranks:
             raise FailedPreconditionError(
