@@ -5,6 +5,8 @@ Everything lives inside namespaces this module creates (names ``gradq-sw``,
 namespace holds one end of a veth pair whose other end is a bridge port, and
 the addresses come from 10.77.0.0/24, which exists nowhere else. Deleting the
 namespaces deletes the links, the bridge and the addresses with them. Needs root.
+``GRADQ_NETNS_RUN=<label>`` names them ``gradq-<label>-sw``, ... instead, so two
+benchmarks can run at once without touching each other's namespaces.
 
 With a round trip (``rtt_ms`` > 0) each host's link is instead a pair of TAP
 devices (the host's ``gq0`` and its bridge port) joined by a delay-line process
@@ -17,6 +19,7 @@ frames of up to delay_line.DEFAULT_MTU bytes; tbf shapes the same devices.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 from collections.abc import Sequence
@@ -40,7 +43,17 @@ __all__ = [
     "remove_namespaces",
 ]
 
-PREFIX = "gradq-"
+
+def _run_label() -> str:
+    label = os.environ.get("GRADQ_NETNS_RUN", "")
+    if label and not re.fullmatch(r"[a-z0-9]{1,8}", label):
+        raise ValueError(f"GRADQ_NETNS_RUN={label!r} is invalid; expected 1-8 lowercase letters or digits, or unset")
+    return f"{label}-" if label else ""
+
+
+# GRADQ_NETNS_RUN=<label> names a run's namespaces gradq-<label>-sw, ...: a second benchmark then runs beside
+# another's (each namespace set is a separate network) and this run's checks and --cleanup see only its own.
+PREFIX = f"gradq-{_run_label()}"
 SWITCH = f"{PREFIX}sw"
 BRIDGE = "br0"
 SUBNET = "10.77.0"  # a /24 that exists only inside these namespaces
