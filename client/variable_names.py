@@ -19,7 +19,8 @@ __all__ = ["OTHER_VARIABLES", "unknown_variables", "warn_unknown_variables"]
 log = logging.getLogger(__name__)
 
 # The GRADQ_* names other parts of gradq read than the worker's own: the aggregator's (gradq.server.env, which a
-# worker does not import), `gradq worker`'s flags, the Compose files', the Slurm script's and the test suite's.
+# worker does not import), `gradq worker`'s flags, the Compose files', the Slurm script's, the benchmarks' and the
+# test suite's.
 # tests/client/test_env_names.py holds this list to every reader's.
 OTHER_VARIABLES = frozenset(
     {
@@ -72,9 +73,10 @@ OTHER_VARIABLES = frozenset(
         "GRADQ_PEERS",
         "GRADQ_PEER_SETTLE",
         "GRADQ_PEER_TIMEOUT",
-        # the Compose files, the Slurm script and the test suite
+        # the Compose files, the Slurm script, the benchmarks and the test suite
         "GRADQ_BASE_IMAGE",
         "GRADQ_MAX_RESTARTS",
+        "GRADQ_NETNS_RUN",
         "GRADQ_METRICS_HOST_PORT",
         "GRADQ_METRICS_HOST_PORT_2",
         "GRADQ_NPROC_PER_NODE",
