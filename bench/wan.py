@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -201,6 +202,7 @@ def push_main(spec: PushSpec) -> None:
         payload = sum(tensor.nbytes for tensor in tensors)
         for step in range(spec.rounds):
             tx, rx = netns.read_counters(netns.HOST_DEVICE)
+            sampler = _WindowSampler(client)
             started = time.perf_counter()
             futures = [
                 client.push_pull_encoded_async(step, key, tensor, out=out[begin:end])
@@ -210,10 +212,56 @@ def push_main(spec: PushSpec) -> None:
                 future.result()
             seconds = time.perf_counter() - started
             tx_after, rx_after = netns.read_counters(netns.HOST_DEVICE)
-            results.append({"seconds": seconds, "tx": tx_after - tx, "rx": rx_after - rx})
+            results.append({"seconds": seconds, "tx": tx_after - tx, "rx": rx_after - rx, **sampler.stop()})
     Path(spec.output).write_text(
         json.dumps({"payload": payload, "chunks": len(pieces), "in_flight": defaults.max_in_flight, "rounds": results})
     )
+
+
+class _WindowSampler:
+    """Peak pushes and bytes in flight on shard 0 during a round, and its connections, sampled every 5 ms.
+
+    Reads the client's window, which is private and differs between trees (a count only before the bytes
+    window): a diagnostic of what holds the round, not an API; whatever a tree lacks is reported as None.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._window = getattr(getattr(client, "_sender", None), "window", None)
+        self.peak_pushes: int | None = None
+        self.peak_bytes: int | None = None
+        self.connections: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[int | None, int | None, int | None]:
+        window = self._window
+        if window is None:
+            return None, None, None
+        if hasattr(window, "in_flight"):
+            pushes, nbytes = window.in_flight(0)
+            connections = window.connections(0) if hasattr(window, "connections") else None
+            return pushes, nbytes, connections
+        counts = getattr(window, "_in_flight", None)
+        return (counts[0] if counts else None), None, 1
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            try:
+                pushes, nbytes, connections = self._read()
+            except Exception:  # the private shape changed under us: report nothing rather than fail the round
+                return
+            if pushes is not None:
+                self.peak_pushes = max(self.peak_pushes or 0, pushes)
+            if nbytes is not None:
+                self.peak_bytes = max(self.peak_bytes or 0, nbytes)
+            if connections is not None:
+                self.connections = max(self.connections or 0, connections)
+
+    def stop(self) -> dict[str, int | None]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_pushes": self.peak_pushes, "peak_bytes": self.peak_bytes, "connections": self.connections}
 
 
 @dataclass
@@ -229,6 +277,7 @@ class PushRow:
     wire_bytes: int  # the first host's device bytes per round, sent
     tcp_fresh_s: dict[int, float]  # streams -> seconds for payload_bytes on fresh connections
     tcp_steady: dict[int, float]  # streams -> steady MB/s
+    windows: list[dict[str, int | None]]  # the first host's timed rounds: peak pushes and bytes in flight, connections
 
 
 def _start_server(topology: netns.Topology, work: Path, world_size: int) -> subprocess.Popen[bytes]:
@@ -302,6 +351,10 @@ def _push_row(topology: netns.Topology, rtt: float, rate: str | None, args: argp
         results[0]["rounds"][-1]["tx"],
         fresh,
         steady,
+        [
+            {name: entry.get(name) for name in ("peak_pushes", "peak_bytes", "connections")}
+            for entry in results[0]["rounds"][1:]
+        ],
     )
 
 
@@ -329,18 +382,20 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         f"`{command}` at gradq {_git_revision()}; {_machine()} after the run (other helpers' work shared the "
         f"2 cores). {args.hosts} hosts each push {args.elements:,} float32 elements pre-encoded at {args.bits} bits "
         "to one aggregator (`gradq.server`) and wait for every answer; per host, time from the first push to the "
-        "last answer, median of the timed rounds (after one warm-up round), every host's rounds pooled. Worker links "
+        "last answer, median of the timed rounds (after one warm-up round), every host's rounds pooled; last round: "
+        "the slower host's. Worker links "
         "at the rate; the aggregator's at the sum of theirs. Bound = payload / rate + 2 round trips. Raw TCP on the "
         "same path (worker to aggregator host): fresh connections carrying the payload (from the first connect to "
         f"the last byte received) and steady streams. {args.note}",
         "",
-        "| round trip | rate | payload per host | chunks, window | gradq s (min-max) | gradq MB/s per host | "
+        "| round trip | rate | payload per host | chunks, count floor | host 0's rounds: peak in flight, connections | "
+        "gradq s (min-max) | last round s | gradq MB/s per host | "
         "of link rate | bound s | gradq / bound | "
         + " | ".join(f"raw TCP {count} fresh s" for count in args.streams)
         + " | "
         + " | ".join(f"raw TCP {count} steady MB/s" for count in args.streams)
         + " |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
     ]
     for row in rows:
         times = sorted(seconds for host in row.host_seconds for seconds in host)
@@ -356,7 +411,8 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         )
         lines.append(
             f"| {row.rtt_ms:g} ms | {row.rate} | {row.payload_bytes / 1e6:.1f} MB | {row.chunks}, "
-            f"{row.in_flight} per shard | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | "
+            f"{row.in_flight} per shard | {_windows(row.windows)} | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | "
+            f"{max(host[-1] for host in row.host_seconds):.2f} | "
             f"{row.payload_bytes / median / 1e6:.1f} | {versus} | {fresh} | {steady} |"
         )
     return "\n".join(lines)
@@ -370,6 +426,19 @@ def _wait_for_free_namespaces(timeout_s: float = 1800.0) -> None:
             raise RuntimeError(f"namespaces {', '.join(leftovers)} still exist after {timeout_s:.0f} s")
         print(f"waiting for another run's namespaces ({', '.join(leftovers)}) ...", file=sys.stderr, flush=True)
         time.sleep(10.0)  # a poll of a state another process owns, with a deadline
+
+
+def _windows(rounds: Sequence[dict[str, int | None]]) -> str:
+    cells = []
+    for entry in rounds:
+        pushes, nbytes, connections = entry.get("peak_pushes"), entry.get("peak_bytes"), entry.get("connections")
+        cell = f"{pushes if pushes is not None else '?'}"
+        if nbytes is not None:
+            cell += f" ({nbytes / 1e6:.1f} MB)"
+        if connections is not None:
+            cell += f", {connections}c"
+        cells.append(cell)
+    return "; ".join(cells) or "-"
 
 
 # -- command line ------------------------------------------------------------------------------------
