@@ -29,6 +29,7 @@ from gradq.server.job_spec import ANY_RANK, MAX_JOB_ID_LENGTH, JobSpec, MemberRo
 from gradq.server.limits import ServiceLimits
 from gradq.server.membership import Membership
 from gradq.server.outer_state import OuterState
+from gradq.server.round_rules import SYNC_RULES, RoundRules, rules_for
 from gradq.server.round_state import Round
 from gradq.server.semi_sync import LateStash, SemiSync
 
@@ -81,6 +82,7 @@ class Job:
     # DiLoCo: the outer step and global state the aggregator keeps (JoinRequest.outer_step); None: it only averages.
     outer: OuterState | None = None
     semi_sync: SemiSync | None = None  # JoinRequest.semi_sync; None: every round waits for every member
+    rules: RoundRules = SYNC_RULES  # what decides its rounds where the round table does not (from semi_sync)
     weighted: bool = False  # JoinRequest.weighted: every push carries a weight, and means are weighted by them
     late: dict[int, LateStash] = field(default_factory=dict)  # round key -> late pushes to merge into its next round
 
@@ -510,6 +512,7 @@ def _check_rounds(job: Job, spec: JobSpec) -> None:
     if job.members.empty and job.outer is None:
         job.outer = OuterState(outer_step) if outer_step is not None else None
         job.semi_sync = semi_sync
+        job.rules = rules_for(semi_sync)
         job.weighted = spec.weighted
         return
     if spec.weighted != job.weighted:

@@ -1,29 +1,28 @@
-"""The semi-synchronous rules of a round: the grace after a quorum, late pushes, and hosts behind the job.
+"""Late and behind hosts: a late push merged into the key's next round, and DiLoCo hosts the job's outer round passed.
 
-Where gradq.server.semi_sync holds the settings and the late stash, this
-module holds what the round table does with them: a round that a quorum of
-members has pushed waits ``grace_s`` more (the sweeper closes it then); a push
-to a round that closed without its member is late, is merged into the key's
-next round and makes its member pending until the next outer-round boundary;
-and a DiLoCo job whose outer round moved past a host's (a newer seed or push)
-fails that host's older rounds at once (Refusal.BEHIND) and makes it pending
-too, as a late host. Locks: a round's lock before the job table's, as the round
-table takes them.
+Whether a push is late is the job's round rules' call (gradq.server.round_rules);
+this module does what follows: the late push is dequantized into the key's late
+stash (gradq.server.semi_sync), merged into the key's next round, and its
+member is pending until the next outer-round boundary. A DiLoCo job whose outer
+round moved past a host's (a newer seed or push) fails that host's older rounds
+at once (Refusal.BEHIND) and makes it pending too, as a late host. It holds no
+reference to the round table: the table hands it the job table, the budget, the
+closer and what to call when members stop being waited for. Locks: a round's
+lock before the job table's, as the round table takes them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from gradq.qcore import QuantizedArray
+from gradq.server.budget import MemoryBudget
 from gradq.server.errors import FailedPreconditionError, Refusal
-from gradq.server.jobs import Job
+from gradq.server.jobs import Job, JobTable
+from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, contribution_weight
 from gradq.server.semi_sync import LateStash
-
-if TYPE_CHECKING:
-    from gradq.server.rounds import RoundTable
 
 __all__ = ["LateHosts"]
 
@@ -31,38 +30,42 @@ log = logging.getLogger(__name__)
 
 
 class LateHosts:
-    """The semi-synchronous rules of one round table (see the module docstring)."""
+    """What becomes of late and behind hosts in one aggregator (see the module docstring).
 
-    def __init__(self, table: RoundTable) -> None:
-        self._table = table
+    Args:
+        jobs: the job table (its lock guards the stash and the members).
+        budget: charged for each key's late stash.
+        closer: fails the rounds a DiLoCo job's outer round left behind.
+        members_waited_less: told (no lock held) that ``job``'s rounds wait for fewer members now, and why:
+            the round table announces it and finishes the rounds that are complete without them.
+    """
 
-    def start_grace(self, job: Job, rnd: Round) -> None:
-        """Semi-synchronous: once a quorum has pushed, the round waits ``grace_s`` more. Holds ``rnd.lock``."""
-        semi_sync = job.semi_sync
-        assert semi_sync is not None
-        if not rnd.graced and len(rnd.contributors) >= semi_sync.quorum:
-            rnd.graced = True
-            rnd.deadline = min(rnd.deadline, self._table.now() + semi_sync.grace_s)  # the sweeper closes it then
+    def __init__(
+        self,
+        jobs: JobTable,
+        budget: MemoryBudget,
+        closer: RoundCloser,
+        members_waited_less: Callable[[Job, str], None],
+    ) -> None:
+        self._jobs = jobs
+        self._budget = budget
+        self._closer = closer
+        self._members_waited_less = members_waited_less
 
-    def merge(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, weight: int = 0) -> bool:
-        """Semi-synchronous: a push to a round closed without ``rank`` goes to the key's late stash.
+    def stash(self, job: Job, rnd: Round, rank: int, tensor: QuantizedArray, non_finite: bool, weight: int = 0) -> None:
+        """A late push (the job's rules said so) goes to the key's late stash, and its member is pending.
 
-        The member becomes pending (the rounds after do not wait for it) until
-        the next outer-round boundary. Returns whether the push was late.
+        The rounds after do not wait for the member until the next outer-round boundary. Takes the job
+        table's lock; the caller holds no round's lock.
         """
-        with rnd.lock:
-            result = rnd.result
-            if not rnd.done.is_set() or result is None or rank in result.contributors:
-                return False
-            rnd.late.add(rank)  # answered: merged, fetch the state
         if non_finite:
-            return True  # nothing to merge; the host still takes the state
-        with self._table.jobs.lock:
+            return  # nothing to merge; the host still takes the state
+        with self._jobs.lock:
             ranks = job.members.ranks.get(rank, 1)
             counted, times = contribution_weight(ranks, weight)
             stash = job.late.get(rnd.bucket)
             if stash is None:
-                self._table.budget.charge(
+                self._budget.charge(
                     4 * tensor.numel, f"the late pushes of key {rnd.bucket} of {job.describe()}", job.memory
                 )
                 job.late[rnd.bucket] = LateStash.first(tensor, ranks, rank, counted, times)
@@ -77,9 +80,7 @@ class LateHosts:
                 job.describe(),
                 rnd.describe(job.job_id),
             )
-            self._table.membership_changed(job, "late")
-            self._table.finish_rounds_complete(job, f"member {rank} was late")
-        return True
+            self._members_waited_less(job, f"member {rank} was late")
 
     def leave_behind(self, job: Job, step: int, behind: dict[int, int], reason: str) -> None:
         """DiLoCo: ``job``'s outer round is ``step`` (gradq.server.outer_state); whoever is behind it catches up.
@@ -88,7 +89,7 @@ class LateHosts:
         their contributors and ``behind`` (member -> the outer round it pushed) become pending, as a late
         host does: the rounds stop waiting for them, and they take the job's state at the next boundary.
         """
-        with self._table.jobs.lock:
+        with self._jobs.lock:
             older = [rnd for rnd in job.open if rnd.step < step]
         if not older and not behind:
             return
@@ -102,8 +103,8 @@ class LateHosts:
                     f"this round's outer round {rnd.step}; its hosts take the job's state at the next boundary",
                     Refusal.BEHIND,
                 )
-                self._table.closer.fail(job, rnd, error, "behind")
-        with self._table.jobs.lock:
+                self._closer.fail(job, rnd, error, "behind")
+        with self._jobs.lock:
             moved = sorted(member for member, at in behind.items() if job.members.make_late(member, at))
         if moved:
             log.warning(
@@ -113,5 +114,4 @@ class LateHosts:
                 step,
                 reason,
             )
-            self._table.membership_changed(job, "late")
-            self._table.finish_rounds_complete(job, f"members {moved} are behind outer round {step}")
+            self._members_waited_less(job, f"members {moved} are behind outer round {step}")

@@ -124,9 +124,8 @@ class RoundCloser:
         """Close a round that lacks ranks: partial over a quorum, else fail. Caller holds ``rnd.lock``."""
         with self._jobs.lock:  # an elastic job's members change under it
             missing = job.members.missing(rnd.contributors)
-            semi_sync = job.semi_sync is not None
-            quorum = job.semi_sync.quorum if job.semi_sync is not None else self.policy.partial_quorum
-            quorum_met = job.members.quorum_met(rnd.contributors, quorum, in_ranks=not semi_sync)
+            quorum, in_ranks = job.rules.quorum(self.policy.partial_quorum)  # gradq.server.round_rules
+            quorum_met = job.members.quorum_met(rnd.contributors, quorum, in_ranks=in_ranks)
             forming = job.members.elastic and not job.members.formed
             joined = len(job.members.joined)
         if quorum_met:

@@ -101,7 +101,8 @@ class RoundTable:
             policy, self.jobs, self.budget, self.accumulators, package, observer, self._outer_boundary
         )
         self.counters = self._closer.counters
-        self.late_hosts = LateHosts(self)  # the semi-synchronous rules: grace, late pushes, hosts behind
+        # Late pushes merged into the next round, and DiLoCo hosts behind the job's outer round.
+        self.late_hosts = LateHosts(self.jobs, self.budget, self._closer, self._members_waited_less)
         self._job_finished = job_finished
         # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
         self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
@@ -111,6 +112,11 @@ class RoundTable:
 
     def _outer_boundary(self, job: Job, step: int) -> None:
         self.outer_boundary(job, step)
+
+    def _members_waited_less(self, job: Job, reason: str) -> None:
+        """Members of ``job`` became pending (late, behind): announce it; finish the rounds complete without them."""
+        self.membership_changed(job, "late")
+        self.finish_rounds_complete(job, reason)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -217,11 +223,6 @@ class RoundTable:
             with self.jobs.lock:
                 if job.rounds.get((rnd.step, rnd.bucket)) is rnd:
                     del job.rounds[(rnd.step, rnd.bucket)]
-
-    @property
-    def closer(self) -> RoundCloser:
-        """Finishes and fails this table's rounds (for the rules beside it: gradq.server.late_hosts)."""
-        return self._closer
 
     def now(self) -> float:
         """The table's clock (monotonic seconds; injected in tests)."""
@@ -416,7 +417,10 @@ class RoundTable:
         """
         job, rnd, rank = ticket.job, ticket.round, ticket.rank
         digest = contribution_digest(tensor, non_finite, ticket.weight)
-        if job.semi_sync is not None and self.late_hosts.merge(job, rnd, rank, tensor, non_finite, ticket.weight):
+        with rnd.lock:
+            late = job.rules.takes_late(rnd, rank)  # gradq.server.round_rules
+        if late:
+            self.late_hosts.stash(job, rnd, rank, tensor, non_finite, ticket.weight)
             return
         with rnd.lock:
             self._add_locked(job, rnd, rank, tensor, non_finite, digest, ticket.weight)
@@ -428,15 +432,15 @@ class RoundTable:
         nothing changed) when the round's lock is held, when this contribution
         would complete the round (averaging and re-encoding it take a
         millisecond or more, and the job's feedback lock), when it is a resend
-        or its round is done (``add`` answers those), and for semi-synchronous
-        jobs (a late push takes the job table's lock and may close rounds).
+        or its round is done (``add`` answers those), and where the job's round
+        rules say so (``RoundRules.counts_inline``).
         The caller then runs ``add`` on a pool thread.
 
         Raises:
             Nothing ``add`` would not: a contribution it takes is new, so no digest can disagree.
         """
         job, rnd, rank = ticket.job, ticket.round, ticket.rank
-        if job.semi_sync is not None or not rnd.lock.acquire(blocking=False):
+        if not job.rules.counts_inline() or not rnd.lock.acquire(blocking=False):
             return False
         try:
             if rnd.done.is_set() or rank in rnd.contributors or self._completes(job, rnd.contributors | {rank}):
@@ -477,8 +481,8 @@ class RoundTable:
             rnd.received_bytes += tensor.nbytes
             if self._completes(job, rnd.contributors):
                 self._closer.finish(job, rnd)
-            elif job.semi_sync is not None:
-                self.late_hosts.start_grace(job, rnd)
+            else:
+                job.rules.counted(rnd, self._clock())
 
     def _completes(self, job: Job, contributors: set[int]) -> bool:
         """Whether ``contributors`` complete a round of ``job``. Caller holds the round's lock."""
@@ -581,17 +585,14 @@ class RoundTable:
             if gave_up:
                 raise CancelledError(f"{rnd.describe(ticket.job.job_id)}: the client stopped waiting")
             self.close_if_due(ticket.job, rnd)
-        return _answer(ticket.job.job_id, rnd, ticket.rank)
+        return _answer(ticket.job, rnd, ticket.rank)
 
     def close_if_due(self, job: Job, rnd: Round) -> None:
         """Close a round whose deadline has passed (by a waiter or the sweeper)."""
         with rnd.lock:
             if not rnd.done.is_set() and self._clock() >= rnd.deadline:
-                if rnd.graced and job.semi_sync is not None:
-                    reason = f"grace window of {job.semi_sync.grace_s:g} s after a quorum of {job.semi_sync.quorum}"
-                    self._closer.close_early(job, rnd, f"{reason} passed", "grace")
-                    return
-                self._closer.close_early(job, rnd, f"deadline of {self.policy.round_timeout_s:g} s passed", "deadline")
+                reason, code = job.rules.close_reason(rnd, self.policy.round_timeout_s)
+                self._closer.close_early(job, rnd, reason, code)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -650,16 +651,12 @@ def _check_weight(job: Job, weight: int) -> None:
         )
 
 
-def _answer(job_id: str, rnd: Round, rank: int) -> RoundResult:
+def _answer(job: Job, rnd: Round, rank: int) -> RoundResult:
+    job_id = job.job_id
     if rnd.error is not None:
         raise type(rnd.error)(str(rnd.error), getattr(rnd.error, "refusal", Refusal.UNSPECIFIED))
     assert rnd.result is not None
-    if rank in rnd.late:
-        raise FailedPreconditionError(
-            f"member {rank} was late for {rnd.describe(job_id)}, which closed on its quorum without it: its push "
-            f"is merged into the next round, and it is pending until the next outer-round boundary (FetchState)",
-            Refusal.LATE,
-        )
+    job.rules.answer(job_id, rnd, rank)  # gradq.server.round_rules: a late member's refusal
     if rank not in rnd.result.contributors:
         raise FailedPreconditionError(
             f"{rnd.describe(job_id)} closed at its deadline over ranks {list(rnd.result.contributors)} "
