@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client.ddp import GradqHookState
@@ -46,6 +48,20 @@ def test_invalid_limits_are_refused_naming_the_field(limit: object) -> None:
         GradqHookState("127.0.0.1:1", max_in_flight=limit)  # type: ignore[arg-type]
 
 
+def contributors(server: AggregatorServer, job_id: str) -> dict[tuple[int, int], set[int]]:
+    """(step, bucket) -> the ranks whose push its open round holds, as the aggregator's table has them now."""
+    with server.table.jobs.lock:
+        job = next((job for job in server.table.jobs.all() if job.job_id == job_id), None)
+        if job is None:
+            return {}
+        rounds = list(job.rounds.items())
+    found = {}
+    for key, rnd in rounds:
+        with rnd.lock:
+            found[key] = set(rnd.contributors)
+    return found
+
+
 @pytest.fixture
 def server() -> Iterator[AggregatorServer]:
     aggregator = AggregatorServer(RoundPolicy(world_size=2, round_timeout_s=10.0), ServerOptions("127.0.0.1:0"))
@@ -64,7 +80,10 @@ def test_a_held_back_push_goes_out_once_the_one_before_it_settles(server: Aggreg
         first = held.push_pull_async(0, 0, ones)
         second = held.push_pull_async(0, 1, ones)  # waits: bucket 0 is still in flight
         other_second = free.push_pull_async(0, 1, twos)
-        time.sleep(0.5)
+        arrived = {(0, 0): {0}, (0, 1): {1}}  # (step, bucket) -> ranks: all but rank 0's held-back bucket 1
+        wait_until(
+            lambda: contributors(server, "window") == arrived, "every push but the held-back one on the aggregator"
+        )
         # Rank 0's bucket 1 has not reached the aggregator, so its round cannot finish.
         assert not other_second.done() and not second.done()
         other_first = free.push_pull_async(0, 0, twos)  # round 0 completes; rank 0's bucket 1 goes out
@@ -85,7 +104,10 @@ def test_closing_fails_the_pushes_still_waiting_instead_of_hanging(server: Aggre
         in_flight.result(timeout=5)  # the closed channel cancels it
 
 
-def test_closing_while_a_push_backs_off_settles_it_and_the_ones_behind_it(server: AggregatorServer) -> None:
+def test_closing_while_a_push_backs_off_settles_it_and_the_ones_behind_it(
+    server: AggregatorServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gradq.client.sending")
     client = WorkerClient(
         f"127.0.0.1:{server.port}", "backoff", 0, 2, EXACT, max_in_flight=1, retry_backoff_s=1.0, timeout_s=5.0
     )
@@ -93,7 +115,10 @@ def test_closing_while_a_push_backs_off_settles_it_and_the_ones_behind_it(server
     server.stop()  # pushes now fail with UNAVAILABLE and back off for a second
     first = client.push_pull_async(0, 0, np.ones(8, np.float32))
     second = client.push_pull_async(0, 1, np.ones(8, np.float32))
-    time.sleep(0.3)
+    wait_until(
+        lambda: any("unavailable; retry 1/" in record.getMessage() for record in caplog.records),
+        "the first push backing off",
+    )
     client.close()
     with pytest.raises(AggregationError, match="closed while the push waited to retry"):
         first.result(timeout=5)
@@ -113,7 +138,7 @@ def test_an_unreachable_shard_fails_every_waiting_push_at_once(server: Aggregato
     errors = [future.exception(timeout=10) for future in futures]
     assert all(isinstance(error, AggregationError) for error in errors)
     assert all("not sent: an earlier push to this shard failed" in str(error) for error in errors[1:])
-    assert time.monotonic() - started < 4.0
+    assert time.monotonic() - started < 4.0  # one rejoin timeout (1 s) for the queue, not one per push (6 s)
     client.close()
 
 
