@@ -17,19 +17,25 @@ import grpc
 
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
-from gradq.proto.address import Reach, describe_no_answer, probe_address, resolution_failure
+from gradq.proto.address import Answer, Reach, describe_no_answer, probe_address, resolution_failure
 
 __all__ = ["UnreachableError", "check_resolvable", "explain_no_answer"]
 
 # How the worker's settings are named in what it is told to change.
 _CA = "GRADQ_TLS_CA"
 _CLIENT_PAIR = "GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY"
+# TLS against plaintext: the channel's settings are wrong, the aggregator is there.
+_MISMATCH = grpc.StatusCode.FAILED_PRECONDITION
 # How long the probe of an address that gave no answer waits for a connection and a handshake.
 _PROBE_TIMEOUT_S = 2.0
 
 
 class UnreachableError(AggregationError):
-    """An aggregator a worker got no answer from; its message (one line) says why, ``reach`` what was found there."""
+    """An aggregator a worker got no answer from; its message (one line) says why, ``reach`` what was found there.
+
+    Its code is the call's, but for TLS against plaintext (either way): FAILED_PRECONDITION, a
+    configuration to fix and never a reason to fall back, as a malformed shard group is.
+    """
 
     def __init__(self, address: str, code: grpc.StatusCode, details: str, reach: Reach) -> None:
         super().__init__(address, code, details)
@@ -67,7 +73,8 @@ def explain_no_answer(error: AggregationError, security: ChannelSecurity | None,
         waited_s: how long the call waited.
 
     Returns:
-        An UnreachableError naming the cause, or ``error`` itself.
+        An UnreachableError naming the cause (FAILED_PRECONDITION for TLS against
+        plaintext), or ``error`` itself.
     """
     if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return error
@@ -77,4 +84,5 @@ def explain_no_answer(error: AggregationError, security: ChannelSecurity | None,
         return error
     over_tls = security is not None and security.root_certificates is not None
     details = describe_no_answer(error.address, reach, over_tls, waited_s, _CA, _CLIENT_PAIR)
-    return UnreachableError(error.address, grpc.StatusCode.DEADLINE_EXCEEDED, details, reach)
+    mismatch = reach.answer is (Answer.PLAINTEXT if over_tls else Answer.TLS)
+    return UnreachableError(error.address, _MISMATCH if mismatch else error.code, details, reach)

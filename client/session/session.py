@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from gradq.client.bit_policy import Piece
 from gradq.client.config import GradqConfig
+from gradq.client.contact import UnreachableError
 from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.sending import AggregationError
 from gradq.client.session.bit_plans import BitPlans
@@ -192,6 +193,8 @@ class GradqSession:
         if client is not None:
             client.close()
         if agreed.item() == _REFUSED:
+            if isinstance(failure, UnreachableError):  # TLS against plaintext: it says so itself, in one line
+                raise failure
             if failure is not None and _refused(failure):
                 raise AggregationError(
                     failure.address, failure.code, f"the aggregator refused the Join: {failure.details}"

@@ -133,7 +133,7 @@ def test_a_plaintext_client_of_a_tls_aggregator_is_told_to_set_the_ca(serve: Ser
     error = join(address)
     assert error.reach.answer is Answer.TLS
     assert str(error) == (
-        f"aggregator {address}: DEADLINE_EXCEEDED: the aggregator at {address} speaks TLS; set GRADQ_TLS_CA to the "
+        f"aggregator {address}: FAILED_PRECONDITION: the aggregator at {address} speaks TLS; set GRADQ_TLS_CA to the "
         "CA that signed its certificate (and GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY under mutual TLS)"
     )
     assert "unreachable" not in str(error)
@@ -147,7 +147,7 @@ def test_a_tls_client_of_a_plaintext_aggregator_is_told_to_leave_the_ca_unset(se
     address = serve()
     error = join(address, ChannelSecurity(root_certificates=tls[1]))
     assert str(error) == (
-        f"aggregator {address}: DEADLINE_EXCEEDED: the aggregator at {address} speaks plaintext, not TLS; leave "
+        f"aggregator {address}: FAILED_PRECONDITION: the aggregator at {address} speaks plaintext, not TLS; leave "
         "GRADQ_TLS_CA unset"
     )
 
@@ -170,3 +170,21 @@ def test_a_refusal_of_the_aggregator_itself_is_left_as_it_is(serve: Serve) -> No
         client.close()
     assert not isinstance(raised.value, UnreachableError)
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_training_session_of_a_plaintext_rank_against_tls_says_tls_and_does_not_fall_back(
+    serve: Serve,  # noqa: F811 (a fixture)
+    tls: Tls,  # noqa: F811 (a fixture)
+    group: None,
+) -> None:
+    from gradq.client.session import GradqSession  # torch: the session is the adapters' side
+
+    address = serve(tls[0])
+    config = GradqConfig((address,), fallback="allreduce", connect_timeout_s=0.5, job_id="tls-mismatch")
+    with pytest.raises(UnreachableError) as raised:
+        GradqSession.connect(config)
+    # TLS against plaintext is a setting to fix, not an aggregator that is down: no fallback, no "unreachable".
+    assert str(raised.value) == (
+        f"aggregator {address}: FAILED_PRECONDITION: the aggregator at {address} speaks TLS; set GRADQ_TLS_CA to the "
+        "CA that signed its certificate (and GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY under mutual TLS)"
+    )
