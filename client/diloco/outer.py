@@ -11,9 +11,10 @@ one compressed copy of the model each way per H steps instead of per step.
 How it runs here:
 
 - Each host is one member of an elastic gradq job (``elastic_hosts`` is the
-  number of hosts the job starts with): a single process, a DDP group inside
-  the host (its ranks reduce the pseudo-gradient together and push one copy,
-  as two-level aggregation does), or an FSDP2 group inside the host (each
+  number of hosts the job starts with): a single process (plain ``python``, no
+  process group needed), a DDP group inside the host (its ranks reduce the
+  pseudo-gradient together and push one copy, as two-level aggregation
+  does), or an FSDP2 group inside the host (each
   rank pushes the pseudo-gradient of its own shards, so the host pushes one
   copy of the model between its ranks, none gathered). The inner steps use
   the host's own collectives; only outer rounds cross the slow link.
@@ -238,6 +239,11 @@ class DiLoCo:
         Returns:
             The outer round this host trains towards: 0 for a host that starts
             the job, the live hosts' next round for one that joins it.
+
+        Raises:
+            AggregationError: the aggregator refused the Join or could not be
+                reached (the message says what to check).
+            RuntimeError: a launcher started several ranks, but torch.distributed is not initialized.
         """
         if self.session is None:
             self.session = self._connect()
