@@ -64,9 +64,10 @@ _FILTER_S = 10.0
 # is followed within them (BBR keeps 10 round trips). The last rate outlives any idle spell.
 _RATE_ROUNDS = 10
 _MIN_RATE_FILTER_S = 0.5
-# Answers later than this many times the shortest round trip are a queue building (the window is
-# past the path): the window then holds one product, not two, until the queue drains.
+# When the latest _RECENT answers all came later than this many times the shortest round trip, a queue
+# stands on the path (the window is past it): the window then holds one product, not two, until it drains.
 _QUEUE_FACTOR = 2.5
+_RECENT = 8
 # Where /proc does not say: Linux's default tcp_wmem[2].
 _DEFAULT_SEND_BUFFER = 4 << 20
 
@@ -154,7 +155,7 @@ class PathEstimate:
         self._probe_min = math.inf
         self.draining = False  # the window is at its count until that measure comes
         self._rates: collections.deque[tuple[float, float]] = collections.deque()  # (when, bytes per second)
-        self._recent_rtt = 0.0  # smoothed round trip of the latest answers
+        self._recent: collections.deque[float] = collections.deque(maxlen=_RECENT)  # the latest round trips
 
     def sent(self, ahead: int = 0) -> tuple[float, int, bool]:
         """What to remember of a push going out with ``ahead`` others out: (now, bytes answered so far, probes)."""
@@ -171,13 +172,14 @@ class PathEstimate:
         if not measured:
             return
         rtt = max(now - sent[0], 1e-6)
-        self._recent_rtt = rtt if not self._recent_rtt else 0.75 * self._recent_rtt + 0.25 * rtt
+        self._recent.append(rtt)
         if self._probe_since is not None and sent[0] >= self._probe_since:
             self._probe_min = min(self._probe_min, rtt)
             # A window that cannot drain (no count to fall to) ends its probe with the least it saw.
             if sent[2] or now - self._probe_since > _FILTER_S:
                 self._min_rtt, self._min_rtt_at, self._probe_since = self._probe_min, now, None
-                self.draining, self._recent_rtt = False, self._probe_min
+                self.draining = False
+                self._recent.clear()
         elif not self._min_rtt or rtt <= self._min_rtt:
             self._min_rtt, self._min_rtt_at = rtt, now
         horizon = now - max(_RATE_ROUNDS * self._min_rtt, _MIN_RATE_FILTER_S)
@@ -191,7 +193,7 @@ class PathEstimate:
     def failed(self) -> None:
         """A push failed: forget the rates (the window falls to its floor and grows again as answers come)."""
         self._rates.clear()
-        self._recent_rtt = 0.0
+        self._recent.clear()
 
     @property
     def min_rtt(self) -> float:
@@ -205,8 +207,15 @@ class PathEstimate:
 
     @property
     def queueing(self) -> bool:
-        """The latest answers come much later than the shortest round trip: a queue is building."""
-        return bool(self._recent_rtt) and self._recent_rtt > _QUEUE_FACTOR * self.min_rtt
+        """The latest answers all came much later than the shortest round trip: a queue is standing.
+
+        All of them, not their mean: a push that waits for another rank's (a
+        host behind, an aggregator busy) comes back late too, but the pushes
+        beside it do not; a queue on the path delays every one.
+        """
+        if len(self._recent) < _RECENT:
+            return False
+        return min(self._recent) > _QUEUE_FACTOR * self.min_rtt
 
     def bdp(self) -> float:
         """The bandwidth-delay product, bytes: what the path holds in one round trip."""
