@@ -109,6 +109,9 @@ class RoundTable:
         # Told (under a round's lock: it must not block) when a DiLoCo job's global state on the aggregator is
         # whole before an outer round: the joiners waiting then receive it (gradq.server.outer_joiners).
         self.outer_boundary: Callable[[Job, int], None] = lambda job, step: None
+        # Told (outside every lock) with a job id whenever its start quorum's model vote may have changed: the
+        # Joins waiting for the decision look again (the servicer's).
+        self.model_vote_changed: Callable[[str], None] = lambda job_id: None
 
     def _outer_boundary(self, job: Job, step: int) -> None:
         self.outer_boundary(job, step)
@@ -150,6 +153,7 @@ class RoundTable:
         except FailedPreconditionError as error:
             if forming and error.refusal is Refusal.MODEL_MISMATCH:  # a starting host refused may let it form
                 self._formed_without_refused(spec.job_id)
+                self.model_vote_changed(spec.job_id)
             raise
         self._retire(retired)
         with self.jobs.lock:
@@ -167,6 +171,7 @@ class RoundTable:
             self._fail_refused(job, refused)
             self._formed_without_refused(job.job_id)
         if members.elastic:
+            self.model_vote_changed(job.job_id)
             self.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
 
@@ -187,6 +192,7 @@ class RoundTable:
             job = self.jobs.find(job_id, incarnation)
             if job is not None:
                 job.members.forget_candidate(member)
+        self.model_vote_changed(job_id)  # the others' disagreement with it is gone
 
     def _formed_without_refused(self, job_id: str) -> None:
         """Starting hosts were refused for their model: if the job formed without them, its rounds go on.
@@ -236,6 +242,8 @@ class RoundTable:
         """
         job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
         self._retire(retired)
+        if job is not None:
+            self.model_vote_changed(job_id)  # a candidate that left disagrees with nobody now
         if job is not None and retired and job.members.elastic:
             self.membership_changed(job, "rank_left")  # the last leave counts too: the job has no member now
         if job is not None and retired and self._job_finished is not None:
@@ -246,6 +254,7 @@ class RoundTable:
 
     def member_gone(self, job: Job, rank: int, reason: str, code: str) -> None:
         """A member left or was lost: a formed elastic job goes on without it, any other closes what waits on it."""
+        self.model_vote_changed(job.job_id)
         with self.jobs.lock:
             goes_on = job.members.goes_on_without_the_gone
         if goes_on:
@@ -282,6 +291,7 @@ class RoundTable:
     def _retire(self, retired: list[Retired]) -> None:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
         for gone in retired:
+            self.model_vote_changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
             with self.jobs.lock:
                 rounds = list(gone.job.rounds.values())
                 gone.job.rounds.clear()

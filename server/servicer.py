@@ -76,10 +76,9 @@ _REFUSAL_PAUSE_S = 0.1
 # and each refusal quoted a 64 KiB job id). 32 keeps the pool's threads busy with one stream's large
 # pushes, and a reading client's refusals flowing.
 _UNADMITTED_PER_STREAM = 32
-# How long a Join whose model disagrees with another host's waits for the start quorum to decide, at most,
-# and how often it looks (see GradqServicer._await_model).
+# How long a Join whose model disagrees with another host's waits for the start quorum to decide, at most
+# (see GradqServicer._await_model).
 _MODEL_WAIT_S = 60.0
-_MODEL_POLL_S = 0.05
 
 
 class RawRequest:
@@ -208,6 +207,11 @@ class AggregatorServicer:
         # Each elastic job's open Watch streams, woken to send its members whenever they change.
         self._watchers: dict[Job, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, known from the first Watch
+        # Joins waiting for their job's start quorum to decide its model, by job id: woken when its vote may have
+        # changed (the table's ``model_vote_changed``). Touched on the loop only; the loop is known from the first.
+        self._model_waits: dict[str, set[asyncio.Event]] = {}
+        self._model_loop: asyncio.AbstractEventLoop | None = None
+        table.model_vote_changed = self._model_vote_changed
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
         # (scheme, bits) of the pushes a pool thread has decoded: their kernels are loaded in this process.
@@ -235,26 +239,52 @@ class AggregatorServicer:
         The job's model is its start quorum's, not the fastest host's: this Join is answered once the
         disagreement is settled (its model won: it trains; it lost: MODEL_MISMATCH, naming the tensor), or
         refused when its deadline (at most ``_MODEL_WAIT_S``) passes first. A waiting Join is one coroutine,
-        no thread: it looks again every ``_MODEL_POLL_S``.
+        no thread: it looks again whenever the table says the job's vote may have changed (a Join, a Leave, a
+        loss, a waiting Join given up, the run retired), and only then.
         """
+        loop = asyncio.get_running_loop()
+        self._model_loop = loop
         remaining = context.time_remaining()
         limit = _MODEL_WAIT_S if remaining is None else min(_MODEL_WAIT_S, max(remaining - 0.5, 0.0))
-        give_up = asyncio.get_running_loop().time() + limit
+        give_up = loop.time() + limit
+        changed = asyncio.Event()
+        waits = self._model_waits.setdefault(spec.job_id, set())
+        waits.add(changed)
         try:
-            while not await _call(context, self.table.model_decided, spec.job_id, answer.rank, answer.incarnation):
-                if asyncio.get_running_loop().time() >= give_up:
+            while True:
+                changed.clear()  # before looking: a change from now on wakes the wait below
+                if await _call(context, self.table.model_decided, spec.job_id, answer.rank, answer.incarnation):
+                    return
+                left = give_up - loop.time()
+                if left <= 0:
                     raise FailedPreconditionError(
                         f"the hosts that joined elastic job {spec.job_id!r} disagree on the model and no majority of "
                         f"the {spec.world_size} it starts with has settled which is the job's within {limit:.0f} s; "
                         f"start the hosts with one model",
                         Refusal.MODEL_MISMATCH,
                     )
-                await asyncio.sleep(_MODEL_POLL_S)
+                with contextlib.suppress(asyncio.TimeoutError):  # (not the builtin before Python 3.11)
+                    await asyncio.wait_for(changed.wait(), left)
         except (RoundError, asyncio.CancelledError) as error:
             self.table.give_up_join(spec.job_id, answer.rank, answer.incarnation)
             if isinstance(error, RoundError):
                 await _abort(context, error)
             raise
+        finally:
+            waits.discard(changed)
+            if not waits and self._model_waits.get(spec.job_id) is waits:
+                del self._model_waits[spec.job_id]
+
+    def _model_vote_changed(self, job_id: str) -> None:
+        """The start quorum's vote of ``job_id`` may have changed (from any thread): its waiting Joins look again."""
+        loop = self._model_loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped
+                loop.call_soon_threadsafe(self._wake_model_waits, job_id)
+
+    def _wake_model_waits(self, job_id: str) -> None:
+        for changed in self._model_waits.get(job_id, ()):
+            changed.set()
 
     async def PushPull(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         peer = peer_host(context.peer())
