@@ -33,7 +33,7 @@ from gradq.server.round_rules import SYNC_RULES, RoundRules, rules_for
 from gradq.server.round_state import Round
 from gradq.server.semi_sync import LateStash, SemiSync
 
-__all__ = ["Job", "JobTable", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
+__all__ = ["Job", "JobTable", "Joined", "Retired", "MAX_JOB_ID_LENGTH", "describe_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,18 @@ class Retired:
     refusal: Refusal = Refusal.UNSPECIFIED  # what its waiters' failure tells their clients
 
 
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """What a Join did to the table: the run joined, the runs it retired, the member id, and whom the vote refused."""
+
+    job: Job
+    retired: list[Retired]  # runs forgotten by it (a superseded incarnation): the caller fails their rounds
+    rank: int  # the member id joined
+    # Members the start quorum's model vote refused with this Join (Membership.decide_model): their rounds in
+    # flight must fail; their next calls are refused by name.
+    refused: list[int]
+
+
 class JobTable:
     """The jobs of one aggregator. ``lock`` also guards every job's ``rounds`` dict.
 
@@ -128,7 +140,7 @@ class JobTable:
         # (job id, incarnation) -> when the run ended: every member left with a Leave (see ``ended``).
         self._ended: OrderedDict[tuple[str, bytes], float] = OrderedDict()
 
-    def join(self, spec: JobSpec, now: float, peer: str = "") -> tuple[Job, list[Retired], int]:
+    def join(self, spec: JobSpec, now: float, peer: str = "") -> Joined:
         """Register the member ``spec`` names with the current run of its job; idempotent, so it may rejoin.
 
         ``peer`` is the calling client host; a Join that starts a job counts
@@ -140,10 +152,12 @@ class JobTable:
         (``MemberRole.RESUMING``): a run formed by hosts without state yields to
         it, so a restarted shard serves the run the hosts hold, not the first
         host to dial. The run's first Join fixes the outer step and semi-sync
-        rounds; its start quorum fixes the model.
+        rounds; its start quorum fixes the model: the vote is counted with each Join, under the lock
+        that places the member (gradq.server.membership).
 
         Returns:
-            (the job, the runs retired by this Join: a superseded incarnation, the member id joined).
+            The job, the runs retired by this Join (a superseded incarnation), the member id joined, and
+            the members the model vote refused with it.
 
         Raises:
             InvalidArgumentError: bad job id, world size, job ranks, rank or ranks.
@@ -220,6 +234,7 @@ class JobTable:
                 spec.rank, spec.ranks, self.limits.max_world_size, job.describe, pending, spec.model_signature
             )
             members.resumed = members.resumed or spec.role is MemberRole.RESUMING
+            refused = members.decide_model(job.describe)
             job.last_active = now
             joined = len(members.joined)
             pending = members.is_pending(rank)
@@ -235,7 +250,7 @@ class JobTable:
             cap,
             f"; {spec.role.name.lower()}" if elastic else "",
         )
-        return job, retired, rank
+        return Joined(job, retired, rank, refused)
 
     def member(
         self, job_id: str, rank: int, incarnation: str, now: float, pending_ok: bool = False, late_step: int = -1

@@ -128,8 +128,8 @@ class RoundTable:
 
         A new ``incarnation`` starts a fixed job fresh; an elastic member may
         ask for ANY_RANK. ``peer`` is the calling client host. When the start
-        quorum's model decision refuses members (``Membership.decide_model``),
-        their rounds in flight fail with that refusal.
+        quorum's model vote (counted by the job table with the Join) refuses
+        members, their rounds in flight fail with that refusal.
 
         Returns:
             The job's world size, the members joined, which member and run were
@@ -149,16 +149,16 @@ class RoundTable:
         with self.jobs.lock:
             forming = (job := self.jobs.current(spec.job_id)) is not None and not job.members.formed
         try:
-            job, retired, member = self.jobs.join(spec, self._clock(), peer)
+            joined = self.jobs.join(spec, self._clock(), peer)
         except FailedPreconditionError as error:
             if forming and error.refusal is Refusal.MODEL_MISMATCH:  # a starting host refused may let it form
                 self._formed_without_refused(spec.job_id)
                 self.model_vote_changed(spec.job_id)
             raise
-        self._retire(retired)
+        job, member, refused = joined.job, joined.rank, joined.refused
+        self._retire(joined.retired)
         with self.jobs.lock:
             members = job.members
-            refused = members.decide_model(job.describe)
             answer = JoinAnswer(
                 job.world_size,
                 len(members.joined),
