@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"waiting up to {args.connect_timeout:g} s for the aggregator at {', '.join(args.aggregator)}")
         try:
             wait_for_aggregators(args.aggregator, args.connect_timeout)
-        except AggregationError as error:
+        except (AggregationError, ValueError) as error:  # ValueError: an address that is not host:port
             print(
                 f"gradq demo: error: {error}; check --aggregator, or wait longer with --connect-timeout",
                 file=sys.stderr,

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 # Its fixtures: real aggregators on port 0 (serve) and a throwaway CA with a certificate for localhost (tls).
+from test_apps_cli import gradq
 from test_reachability import Serve, Tls, serve, tls  # noqa: F401
 
 from gradq.client import AggregationError, ChannelSecurity, WorkerClient
@@ -188,3 +189,12 @@ def test_a_training_session_of_a_plaintext_rank_against_tls_says_tls_and_does_no
         f"aggregator {address}: FAILED_PRECONDITION: the aggregator at {address} speaks TLS; set GRADQ_TLS_CA to the "
         "CA that signed its certificate (and GRADQ_TLS_CLIENT_CERT and GRADQ_TLS_CLIENT_KEY under mutual TLS)"
     )
+
+
+def test_gradq_demo_refuses_a_bad_address_in_one_line() -> None:
+    completed = gradq("demo", "--aggregator", "localhost", "--connect-timeout", "60")
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        "gradq demo: error: addresses='localhost' (GRADQ_AGGREGATORS) is invalid; expected host:port; 'localhost' "
+        "has no port, e.g. localhost:50051; check --aggregator, or wait longer with --connect-timeout"
+    ]
