@@ -7,10 +7,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-
-# Its fixtures: real aggregators on port 0 (serve) and a throwaway CA with a certificate for localhost (tls).
 from test_apps_cli import gradq
-from test_reachability import Serve, Tls, serve, tls  # noqa: F401
+from test_reachability import Serve, Tls, serve, tls  # noqa: F401  (fixtures: aggregators on port 0, a CA for TLS)
 
 from gradq.client import AggregationError, ChannelSecurity, WorkerClient
 from gradq.client.apps.reachability import wait_for_aggregators
