@@ -10,8 +10,9 @@ admitted can be read off it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import grpc
 import numpy as np
 import pytest
 
@@ -134,3 +135,67 @@ def _settled(reply: object, timeout_s: float = 30.0) -> bytes:
     assert done.wait(timeout_s), "no answer to the push"
     assert reply.code().name == "OK", reply.details()  # type: ignore[attr-defined]
     return bytes(reply.result())  # type: ignore[attr-defined]
+
+
+class FakeReply:
+    """A push's answer the test settles."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[object] = []
+        self.status = grpc.StatusCode.OK
+
+    def code(self) -> grpc.StatusCode:
+        return self.status
+
+    def add_done_callback(self, callback: object) -> None:
+        self.callbacks.append(callback)
+
+    def settle(self) -> None:
+        for callback in self.callbacks:
+            callback(self)  # type: ignore[operator]
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.sent: list[FakeReply] = []
+        self.closed = False
+
+    def send(self, request: bytes, sequence: int) -> FakeReply:
+        reply = FakeReply()
+        self.sent.append(reply)
+        return reply
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_new_connection_takes_twice_what_it_delivered_and_the_rest_go_to_the_warm_ones() -> None:
+    first = FakeTransport()
+    opened: list[FakeTransport] = []
+    closed: list[int] = []
+
+    def open_connection(index: int) -> tuple[FakeTransport, Callable[[], None]]:
+        opened.append(FakeTransport())
+        return opened[-1], lambda: closed.append(index)
+
+    wanted = [1]
+    connections = ShardConnections(first, open_connection, lambda: wanted[0])
+    push = b"x" * 1000
+    warm = [connections.send(push, sequence) for sequence in range(4)]  # one connection: all on it
+    assert len(first.sent) == 4 and not opened
+    for reply in warm:
+        reply.settle()  # the first connection delivered 4000 bytes
+    wanted[0] = 2
+    for sequence in range(4, 10):
+        connections.send(push, sequence)
+    # The new connection has delivered nothing: one push; the warm one takes the rest (room for 8000).
+    assert connections.opened == 2 and len(opened[0].sent) == 1 and len(first.sent) == 4 + 5
+    opened[0].sent[0].settle()  # it delivered a push: room for two
+    for sequence in range(10, 12):
+        connections.send(push, sequence)
+    assert len(opened[0].sent) == 3
+    assert connections.in_flight() == [5000, 2000]
+    connections.close()
+    assert first.closed and opened[0].closed and closed == [1]
+    with pytest.raises(ValueError, match="closed"):
+        connections.send(push, 99)
