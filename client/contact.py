@@ -6,7 +6,7 @@ Before the first call, every host is resolved here (an unresolvable name is
 a typo, not a server still starting); after a call that got no answer, the
 address is probed (gradq.proto.address) and the error says what it answered:
 refused, timed out, TLS to a plaintext client or the reverse. The words name
-the worker's variables (flags of the same name in `gradq worker`).
+the worker's variables (`gradq worker --help` shows each beside its flag).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def split_address(text: str, *, host_required: bool = True) -> tuple[str, int]:
     if separator:
         raise ValueError(f"expected host:port without a scheme: drop '{scheme}://' and give {rest.rstrip('/')!r}")
     host, colon, port = text.rpartition(":")
-    if not colon:
+    if not colon or text.endswith("]"):  # "[::1]" is a host alone
         raise ValueError(f"expected host:port; {text!r} has no port, e.g. {text}:50051")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ValueError(f"expected an IPv6 host in brackets, e.g. [::1]:50051; got {text!r}")
