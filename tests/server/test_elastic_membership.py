@@ -101,6 +101,7 @@ def wait_for_world(client: WorkerClient, done: Callable[[JobWorld], bool]) -> No
 def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
     start_aggregator: StartAggregator,
     hosts: Callable[..., WorkerClient],
+    caplog: pytest.LogCaptureFixture,
     shards: int,
     restarted: int,
 ) -> None:
@@ -120,7 +121,14 @@ def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
     if restarted != 0:
         joined.result(timeout=20)  # pending on the live first shard, pending on the restarted one too
         assert standby.catch_up and standby.incarnation == first.incarnation
-    time.sleep(0.3)  # the standby's Join (and, on a restarted first shard, its run of its own) are in place
+    else:  # the standby's Join made a run of its own on the empty first shard (the other shard refuses it)
+        wait_until(
+            lambda: (
+                group.servers[0].table.jobs.find("ef", "run-c") is not None
+                or any("joining again from the first shard" in record.getMessage() for record in caplog.records)
+            ),
+            "the standby's run of its own on the restarted first shard",
+        )
 
     # The survivors' next step reaches the restarted shard after the standby: their run is the job's.
     assert push_all(1, [first, second], [5.0, 7.0]) == [pytest.approx(np.full(8, 6.0))] * 2
@@ -168,7 +176,7 @@ def test_a_standby_refused_by_a_restarted_first_shards_run_rejoins_as_a_newcomer
 
 
 def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_member(
-    start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient]
+    start_aggregator: StartAggregator, hosts: Callable[..., WorkerClient], caplog: pytest.LogCaptureFixture
 ) -> None:
     """One restarted aggregator, the order CI once drew: the standby starts a run of its own there, one
     survivor takes the shard back, and the standby's next push comes before the other survivor's.
@@ -205,7 +213,10 @@ def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_
     newcomer = hosts(group.addresses, "run-d", timeout_s=20)
     joined: Future[None] = Future()
     threading.Thread(target=lambda: _settle(joined, newcomer.join), daemon=True).start()
-    time.sleep(0.5)
+    wait_until(
+        lambda: any("joining again" in r.getMessage() and "re-forming" in r.getMessage() for r in caplog.records),
+        "the newcomer's Join refused while the run re-forms",
+    )
     assert not joined.done(), "a newcomer waits while the run re-forms: no id it could draw is known to be free"
     assert push_all(1, [other], [7.0]) == [pytest.approx(np.full(8, 6.0))]  # the survivors alone
     assert survivor_push.result(timeout=10) == [pytest.approx(np.full(8, 6.0))]
@@ -273,7 +284,13 @@ def test_the_start_quorums_model_is_the_jobs_not_the_first_hosts(
     ).start()
     first_join: Future[None] = Future()
     threading.Thread(target=lambda: _settle(first_join, right[0].join), daemon=True).start()
-    time.sleep(0.5)
+
+    def candidates() -> int:
+        with group.servers[0].table.jobs.lock:
+            job = group.servers[0].table.jobs.find("ef", "run-odd")
+            return 0 if job is None else len(job.members.models)
+
+    wait_until(lambda: candidates() == 2, "the second model's Join on the first shard")
     assert not first_join.done(), "a Join that meets a disagreement waits for the start quorum"
     right[1].join()  # two of the three agree: theirs is the job's model
     first_join.result(timeout=10)
