@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer
 from gradq.server.auth import TokenScope, TokenTable
 from gradq.server.policy import RoundPolicy
-from gradq.server.state_relay import RELAY_BYTES
+from gradq.server.state_relay import RELAY_BYTES, Relay
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 Host = Callable[..., WorkerClient]
@@ -149,10 +148,9 @@ def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(
     waiting = ThreadPoolExecutor(1).submit(first.push_pull, 1, 0, ones)
     wait_until(lambda: server.table.in_flight() == 1, "member 0's push to open step 1's round")
     assert not waiting.done()
-    lost_at = time.monotonic()
     second.membership._watches[0].cancel()  # its Watch ends without a Leave: the aggregator takes it for lost
-    assert waiting.result(timeout=5).tolist() == [1.0] * 8  # the mean over the one member left
-    assert time.monotonic() - lost_at < 2.0
+    # The mean over the one member left, at the loss: well before the round's 20 s deadline.
+    assert waiting.result(timeout=5).tolist() == [1.0] * 8
     world = wait_for_world(first, lambda world: world.size == 1)
     assert world.members == (0,) and world.ranks == 1
 
@@ -179,7 +177,12 @@ def test_a_joiner_receives_the_state_relayed_and_trains_from_that_step(host: Hos
     assert server.table.budget.in_use < RELAY_BYTES  # the relay's charge is given back
 
 
-def test_the_relay_holds_back_a_sender_until_the_joiner_reads(host: Host) -> None:
+def relays(server: AggregatorServer) -> list[Relay]:
+    """The state relays the aggregator holds now (claimed by a donor or not)."""
+    return list(server.servicer.relays._relays.values())
+
+
+def test_the_relay_holds_back_a_sender_until_the_joiner_reads(host: Host, server: AggregatorServer) -> None:
     first, _ = host(), host()
     joiner = host()
     stub = pb_grpc.AggregatorStub(grpc.insecure_channel(joiner.addresses[0]))
@@ -188,35 +191,35 @@ def test_the_relay_holds_back_a_sender_until_the_joiner_reads(host: Host) -> Non
     wait_for_world(first, lambda world: world.joiners == (2,))
     state = bytes(64 << 20)  # far more than the relay (4 MiB) and HTTP/2's windows hold
     sending: Future[int] = ThreadPoolExecutor(1).submit(first.send_state, 2, 3, state)
-    time.sleep(2.0)
+    wait_until(lambda: [relay.queue.full() for relay in relays(server)] == [True], "the relay's queue full")
     assert not sending.done()  # held back: the aggregator does not buffer what the joiner has not read
+    assert relays(server)[0].relayed < len(state)  # stopped partway, not merely slow to report
     assert sum(len(chunk.data) for chunk in stream) == len(state)
     assert sending.result(timeout=10) == len(state)
 
 
 def test_a_sender_that_goes_away_leaves_the_joiner_to_join_again_and_take_the_state_from_another(
-    host: Host,
+    host: Host, server: AggregatorServer
 ) -> None:
     first, second = host(), host()
     joiner = host()
     fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
     wait_for_world(first, lambda world: world.joiners == (2,))
     header = pb.StateChunk(job_id="e", rank=0, incarnation=first.incarnation, joiner=2, step=1, total_bytes=10 << 20)
-    started = threading.Event()
+    cancelled = threading.Event()
 
     def half_then_stop() -> Iterator[pb.StateChunk]:
         first_chunk = pb.StateChunk()
         first_chunk.CopyFrom(header)
         first_chunk.data = bytes(1 << 20)
         yield first_chunk
-        started.set()
-        time.sleep(30)  # cancelled long before
+        cancelled.wait(30)  # a sender that stalls mid-transfer, until the test cancels its call
 
     stub = pb_grpc.AggregatorStub(grpc.insecure_channel(first.addresses[0]))
     call = stub.PutState.future(half_then_stop(), timeout=30)
-    assert started.wait(5)
-    time.sleep(0.3)
+    wait_until(lambda: any(relay.relayed for relay in relays(server)), "the first chunk relayed to the joiner")
     call.cancel()  # member 0 stops sending mid-transfer: the joiner's transfer breaks (UNAVAILABLE)
+    cancelled.set()
     # It leaves, joins again as a newcomer and waits for a sender again; the other live member sends.
     wait_until(lambda: joiner.joins >= 2, "the joiner to join again", 10.0)
     wait_for_world(second, lambda world: world.joiners == (joiner.rank,))
