@@ -4,6 +4,7 @@ Run as root from the repository root with the virtualenv's interpreter::
 
     sudo .venv/bin/python bench/wan.py --report bench/results/wan-delay-line.md   # round trips, raw TCP
     sudo .venv/bin/python bench/wan.py --push bench/results/wan-push.md           # 50M elements, 4 bits, 2 hosts
+    sudo .venv/bin/python bench/wan.py --push out.md --trees old=OLD new=NEW --repeat 2   # two trees alternated
     sudo .venv/bin/python bench/wan.py --cleanup                                  # namespaces a killed run left
 
 ``--report`` builds one worker host and one aggregator host (bench/netns.py,
@@ -18,7 +19,9 @@ worker host (``WorkerClient`` with GradqConfig's defaults for chunking and the
 window, everything else the client's defaults): each round pushes
 ``--elements`` float32 elements pre-encoded at ``--bits`` (so quantizing is not
 timed) and waits for every answer; the time is from the first push to the last
-answer, per host. Beside each row: the link's own bound (bytes / rate + 2 round
+answer, per host. ``--trees`` alternates gradq trees row by row on the same
+path (each a folder holding ``gradq/``, links to a tree's folders, put first
+on the children's PYTHONPATH), so the machine's load falls on each alike. Beside each row: the link's own bound (bytes / rate + 2 round
 trips) and raw TCP on the same path (fresh connections carrying the same bytes,
 and steady streams). Worker links get ``--rate``; the aggregator's link gets
 the sum of theirs, so each host can reach its own rate.
@@ -266,10 +269,11 @@ class _WindowSampler:
 
 @dataclass
 class PushRow:
-    """One (round trip, rate) of the push report."""
+    """One (round trip, rate, gradq tree) of the push report."""
 
     rtt_ms: float
     rate: str
+    tree: str  # --trees' label, or "" for the gradq this interpreter imports
     payload_bytes: int  # per host, each way
     chunks: int
     in_flight: int | None
@@ -280,13 +284,15 @@ class PushRow:
     windows: list[dict[str, int | None]]  # the first host's timed rounds: peak pushes and bytes in flight, connections
 
 
-def _start_server(topology: netns.Topology, work: Path, world_size: int) -> subprocess.Popen[bytes]:
+def _start_server(
+    topology: netns.Topology, work: Path, world_size: int, environment: dict[str, str]
+) -> subprocess.Popen[bytes]:
     host = topology.aggregators[0]
     port_file = work / "aggregator.port"
     argv = [sys.executable, "-m", "gradq.server", "--host", host.address, "--port", str(AGGREGATOR_PORT)]
     argv += ["--world-size", str(world_size), "--log-level", "WARNING", "--port-file", str(port_file), "--grace", "1"]
     with (work / "aggregator.log").open("wb") as log:
-        server = subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=_environment())
+        server = subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=environment)
     deadline = time.monotonic() + 60.0
     while not (port_file.exists() and port_file.read_text().strip()):
         if server.poll() is not None or time.monotonic() > deadline:
@@ -295,27 +301,38 @@ def _start_server(topology: netns.Topology, work: Path, world_size: int) -> subp
     return server
 
 
-def _environment() -> dict[str, str]:
+def _environment(tree: str | None) -> dict[str, str]:
     # No proxy variables: gRPC would otherwise try to reach the aggregator through one.
     environment = {name: value for name, value in os.environ.items() if "proxy" not in name.lower()}
     environment.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if tree is not None:  # a folder holding gradq/ (links to a tree's qcore, server, client, ...) imported first
+        environment["PYTHONPATH"] = tree
     return environment
 
 
-def _push_row(topology: netns.Topology, rtt: float, rate: str | None, args: argparse.Namespace, work: Path) -> PushRow:
+def _push_row(
+    topology: netns.Topology,
+    rtt: float,
+    rate: str | None,
+    tree: tuple[str, str | None],
+    args: argparse.Namespace,
+    work: Path,
+    raw: dict[tuple[float, str], tuple[dict[int, float], dict[int, float]]],
+) -> PushRow:
     label = rate or "unshaped"
     topology.shape(topology.workers, rate)
     aggregator_rate = f"{netns.parse_rate(rate) * args.hosts / 1e6:g}mbit" if rate else None
     topology.shape(topology.aggregators, aggregator_rate)
-    out = work / f"{rtt:g}ms-{label}"
+    out = work / f"{rtt:g}ms-{label}-{tree[0] or 'default'}-{time.monotonic_ns()}"
     out.mkdir()
-    server = _start_server(topology, out, args.hosts)
+    environment = _environment(tree[1])
+    server = _start_server(topology, out, args.hosts, environment)
     pushers = []
     try:
         for rank, host in enumerate(topology.workers):
             spec = PushSpec(
                 f"{topology.aggregators[0].address}:{AGGREGATOR_PORT}",
-                f"wan-{os.getpid()}-{rtt:g}-{label}",
+                f"wan-{os.getpid()}-{out.name}",
                 rank,
                 args.hosts,
                 args.elements,
@@ -326,7 +343,7 @@ def _push_row(topology: netns.Topology, rtt: float, rate: str | None, args: argp
             argv = [sys.executable, str(Path(__file__).resolve()), "--push-main", json.dumps(asdict(spec))]
             with (out / f"rank{rank}.log").open("wb") as log:
                 pushers.append(
-                    subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=_environment())
+                    subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=environment)
                 )
         for rank, pusher in enumerate(pushers):
             if pusher.wait(timeout=900) != 0:
@@ -339,11 +356,16 @@ def _push_row(topology: netns.Topology, rtt: float, rate: str | None, args: argp
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(args.hosts)]
     payload = results[0]["payload"]
     ends = _ends(topology, TCP_PORT)
-    fresh = {count: wan_tcp.transfer_seconds(ends, count, payload) for count in args.streams}
-    steady = {count: wan_tcp.throughput(ends, count, args.seconds)[0] / 1e6 for count in args.streams}
+    if (rtt, label) not in raw:  # once per path: it does not depend on the tree
+        raw[rtt, label] = (
+            {count: wan_tcp.transfer_seconds(ends, count, payload) for count in args.streams},
+            {count: wan_tcp.throughput(ends, count, args.seconds)[0] / 1e6 for count in args.streams},
+        )
+    fresh, steady = raw[rtt, label]
     return PushRow(
         rtt,
         label,
+        tree[0],
         payload,
         results[0]["chunks"],
         results[0]["in_flight"],
@@ -361,13 +383,15 @@ def _push_row(topology: netns.Topology, rtt: float, rate: str | None, args: argp
 def measure_pushes(args: argparse.Namespace) -> list[PushRow]:
     """Every push row: one topology per round trip (veth at 0), every rate on it."""
     rows = []
+    raw: dict[tuple[float, str], tuple[dict[int, float], dict[int, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="gradq-wan-") as work:
         for rtt in args.rtts:
             topology = netns.build_topology(args.hosts, 1, rtt)
             try:
                 for rate in args.rates:
-                    print(f"push {rtt:g} ms {rate or 'unshaped'} ...", file=sys.stderr, flush=True)
-                    rows.append(_push_row(topology, rtt, rate, args, Path(work)))
+                    for tree in args.trees * args.repeat:  # alternated: the machine's load changes alike for each
+                        print(f"push {rtt:g} ms {rate or 'unshaped'} {tree[0]} ...", file=sys.stderr, flush=True)
+                        rows.append(_push_row(topology, rtt, rate, tree, args, Path(work), raw))
             finally:
                 topology.close()
     return rows
@@ -388,14 +412,15 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         "same path (worker to aggregator host): fresh connections carrying the payload (from the first connect to "
         f"the last byte received) and steady streams. {args.note}",
         "",
-        "| round trip | rate | payload per host | chunks, count floor | host 0's rounds: peak in flight, connections | "
+        "| round trip | rate | gradq | payload per host | chunks, count floor | "
+        "host 0's rounds: peak in flight, connections | "
         "gradq s (min-max) | last round s | gradq MB/s per host | "
         "of link rate | bound s | gradq / bound | "
         + " | ".join(f"raw TCP {count} fresh s" for count in args.streams)
         + " | "
         + " | ".join(f"raw TCP {count} steady MB/s" for count in args.streams)
         + " |",
-        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
+        "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
     ]
     for row in rows:
         times = sorted(seconds for host in row.host_seconds for seconds in host)
@@ -410,7 +435,8 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
             else "- | - | -"
         )
         lines.append(
-            f"| {row.rtt_ms:g} ms | {row.rate} | {row.payload_bytes / 1e6:.1f} MB | {row.chunks}, "
+            f"| {row.rtt_ms:g} ms | {row.rate} | {row.tree or 'this tree'} | "
+            f"{row.payload_bytes / 1e6:.1f} MB | {row.chunks}, "
             f"{row.in_flight} per shard | {_windows(row.windows)} | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | "
             f"{max(host[-1] for host in row.host_seconds):.2f} | "
             f"{row.payload_bytes / median / 1e6:.1f} | {versus} | {fresh} | {steady} |"
@@ -454,6 +480,13 @@ def _rate_or_none(text: str) -> str | None:
     return text.lower()
 
 
+def _tree(text: str) -> tuple[str, str | None]:
+    label, _, folder = text.partition("=")
+    if not label or not (Path(folder) / "gradq").is_dir():
+        raise argparse.ArgumentTypeError(f"tree={text!r} is invalid; expected LABEL=FOLDER with FOLDER/gradq/ in it")
+    return label, folder
+
+
 def _rtt(text: str) -> float:
     try:
         return netns.parse_rtt(text)
@@ -477,6 +510,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--elements", type=int, default=50_000_000, help="push: float32 elements per host")
     parser.add_argument("--bits", type=int, default=4, help="push: bits per element")
     parser.add_argument("--rounds", type=int, default=3, help="push: timed rounds (after one warm-up)")
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        type=_tree,
+        default=[("", None)],
+        metavar="LABEL=FOLDER",
+        help="push: gradq trees to alternate, each a folder holding gradq/ (links to a tree's qcore, server, "
+        "client, proto, cli), put first on the pushers' and the aggregator's PYTHONPATH",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="push: runs of each tree per row, alternated")
     parser.add_argument("--note", default="", help="a sentence for the report's setup (e.g. which gradq tree ran)")
     args = parser.parse_args(argv)
     if args.rtts is None:
