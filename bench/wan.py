@@ -21,9 +21,10 @@ window, everything else the client's defaults): each round pushes
 timed) and waits for every answer; the time is from the first push to the last
 answer, per host. ``--trees`` alternates gradq trees row by row on the same
 path (each a folder holding ``gradq/``, links to a tree's folders, put first
-on the children's PYTHONPATH), so the machine's load falls on each alike. Beside each row: the link's own bound (bytes / rate + 2 round
-trips) and raw TCP on the same path (fresh connections carrying the same bytes,
-and steady streams). Worker links get ``--rate``; the aggregator's link gets
+on the children's PYTHONPATH), so the machine's load falls on each alike.
+Beside each row: the link's own bound (bytes / rate + 2 round trips) and raw
+TCP on the same path (fresh connections carrying the same bytes, and steady
+streams). Worker links get ``--rate``; the aggregator's link gets
 the sum of theirs, so each host can reach its own rate.
 
 Traffic goes only to addresses inside the namespaces this creates; they and the
