@@ -438,6 +438,7 @@ def gradq_hook(state: GradqHookState, bucket: dist.GradBucket) -> torch.futures.
     buffer = bucket.buffer()
     sparse = buffer.layout != torch.strided
     if session.mode != "gradq":
+        state._summary.steps += bucket.is_last()  # the run's summary counts the steps trained without gradq too
         return _fallback_allreduce(session, bucket) if sparse else _FALLBACK_HOOKS[session.mode](session, bucket)
     step, last = state.step, bucket.is_last()
     if state.elastic_hosts:

@@ -92,7 +92,7 @@ class GradqSession:
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
         self.member = ElasticMember(self)
-        self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0)
+        self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0, mode)
         self._closed = False
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._gather_pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -77,12 +77,13 @@ class SessionEvents:
         job_id: the job the session joined.
         client: the joined worker client (None under a fallback).
         speaks: this rank logs for its host (the host's first rank).
+        mode: "gradq", or the fallback the session's ranks took.
     """
 
-    __slots__ = ("_lock", "_members", "client", "failed_rounds", "job_id", "speaks")
+    __slots__ = ("_lock", "_members", "client", "failed_rounds", "job_id", "mode", "speaks")
 
-    def __init__(self, job_id: str, client: WorkerClient | None, speaks: bool) -> None:
-        self.job_id, self.client, self.speaks = job_id, client, speaks
+    def __init__(self, job_id: str, client: WorkerClient | None, speaks: bool, mode: str = "gradq") -> None:
+        self.job_id, self.client, self.speaks, self.mode = job_id, client, speaks, mode
         self.failed_rounds = 0  # rounds whose future failed (the error itself goes to the loop)
         self._members: frozenset[int] | None = None  # the job's members at the last look
         self._lock = threading.Lock()  # futures fail on gRPC threads
@@ -175,13 +176,15 @@ class TrainingSummary:
         """The summary, one line."""
         with self._lock:
             job = self._sessions[-1].job_id if self._sessions else "?"
+            fallbacks = sorted({events.mode for events in self._sessions} - {"gradq"})
         stats, failed = self.figures()
         done = (
             f"{self.rounds} outer rounds, {self.steps} inner steps" if self.loop == "DiLoCo" else f"{self.steps} steps"
         )
         parts = [f"training summary of job {job} ({self.loop}): {done}"]
         if stats is None or not stats.uncompressed_bytes:
-            parts.append("no bytes through gradq")
+            fallback = f" (fallback {', '.join(fallbacks)})" if fallbacks else ""
+            parts.append(f"no bytes through gradq{fallback}")
         else:
             dtype = stats.dtype or "float32"
             parts.append(

@@ -147,6 +147,11 @@ def test_a_fallback_taken_is_said_with_why(caplog: pytest.LogCaptureFixture) -> 
     [warning] = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warning.startswith(f"aggregator unreachable (aggregator 127.0.0.1:{port}")
     assert warning.endswith("falling back to allreduce: training goes on without gradq")
+    summary = TrainingSummary(config, "DDP hook")
+    summary.attach(session.events)
+    assert summary.line().startswith(
+        "training summary of job j (DDP hook): 0 steps; no bytes through gradq (fallback allreduce);"
+    )
 
 
 class _StatsOf:
