@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import netns
-import wan
+
+AGGREGATOR_PORT = 50051
 
 OLD: dict[str, Any] = {"sized_to_path": False, "max_connections": 1}
 
@@ -109,17 +110,40 @@ def pusher(spec: dict[str, Any]) -> None:
     Path(str(spec["output"])).write_text(json.dumps(state))
 
 
+def _environment() -> dict[str, str]:
+    # No proxy variables: gRPC would otherwise try to reach the aggregator through one.
+    environment = {name: value for name, value in os.environ.items() if "proxy" not in name.lower()}
+    environment.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return environment
+
+
+def _start_server(topology: netns.Topology, work: Path, world_size: int) -> subprocess.Popen[bytes]:
+    """``gradq.server`` on the aggregator host, once it has written its port."""
+    host = topology.aggregators[0]
+    port_file = work / "aggregator.port"
+    argv = [sys.executable, "-m", "gradq.server", "--host", host.address, "--port", str(AGGREGATOR_PORT)]
+    argv += ["--world-size", str(world_size), "--log-level", "WARNING", "--port-file", str(port_file), "--grace", "1"]
+    with (work / "aggregator.log").open("wb") as log:
+        server = subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=_environment())
+    deadline = time.monotonic() + 60.0
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the aggregator did not start:\n{(work / 'aggregator.log').read_text()[-2000:]}")
+        time.sleep(0.1)  # polling for the port file, with a deadline
+    return server
+
+
 def run(
     topology: netns.Topology, work: Path, label: str, window: dict[str, Any] | None, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     out = work / label
     out.mkdir()
-    server = wan._start_server(topology, out, args.hosts)
+    server = _start_server(topology, out, args.hosts)
     processes = []
     try:
         for rank, host in enumerate(topology.workers):
             spec = {
-                "address": f"{topology.aggregators[0].address}:{wan.AGGREGATOR_PORT}",
+                "address": f"{topology.aggregators[0].address}:{AGGREGATOR_PORT}",
                 "job": f"window-{label}",
                 "rank": rank,
                 "world": args.hosts,
@@ -133,7 +157,7 @@ def run(
             argv = [sys.executable, str(Path(__file__).resolve()), "--pusher", json.dumps(spec)]
             with (out / f"rank{rank}.log").open("wb") as log:
                 processes.append(
-                    subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=wan._environment())
+                    subprocess.Popen(host.command(argv), stdout=log, stderr=subprocess.STDOUT, env=_environment())
                 )
         for rank, process in enumerate(processes):
             if process.wait(timeout=600) != 0:
