@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from waiting import wait_until
 
 from gradq.client import ChannelSecurity, WorkerClient
 from gradq.proto.convert import tensor_to_proto
@@ -153,12 +154,14 @@ def wait_until_unread(streams: list[UnreadStream], quiet_s: float = 1.0, timeout
     Raises:
         AssertionError: they were still sending after ``timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
-    sent, since = -1, time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        assert time.monotonic() < deadline, f"the streams were still read after {timeout_s:g} s ({sent} pushes)"
+    sent, since = -1, time.monotonic()  # the pushes sent so far, and since when that count stands
+
+    def quiet() -> bool:
+        nonlocal sent, since
         now = sum(stream.sent for stream in streams)
         if now != sent:
             sent, since = now, time.monotonic()
-        time.sleep(0.05)
+        return time.monotonic() - since >= quiet_s
+
+    wait_until(quiet, f"the streams unread for {quiet_s:g} s", timeout_s, detail=lambda: f"{sent} pushes sent")
     return sent
