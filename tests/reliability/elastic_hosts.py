@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from waiting import wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
 
@@ -78,15 +79,15 @@ def start_host(
 
 def wait_for(what: str, done: Callable[[], bool], timeout_s: float, hosts: list[ElasticHost]) -> None:
     """Poll ``done`` until true; on timeout fail with what each host printed."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            outputs = []
-            for host in hosts:
-                if host.process.poll() is not None and host.process.stdout is not None:
-                    outputs.append(host.process.stdout.read().decode(errors="replace")[-2000:])
-            raise AssertionError(f"timed out waiting for {what}; exited hosts printed: {outputs}")
-        time.sleep(0.02)
+
+    def printed() -> str:
+        outputs = []
+        for host in hosts:
+            if host.process.poll() is not None and host.process.stdout is not None:
+                outputs.append(host.process.stdout.read().decode(errors="replace")[-2000:])
+        return f"exited hosts printed: {outputs}"
+
+    wait_until(done, what, timeout_s, detail=printed)
 
 
 def stop(host: ElasticHost) -> None:
