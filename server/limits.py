@@ -53,9 +53,10 @@ class ServiceLimits:
             25 KB with a small round of its own, measured), so this bounds memory.
         max_streams_per_peer: PushPullStream calls open at once from one client
             host, over all its connections: a rank opens one per connection to
-            a shard, up to 8 connections where the path is long (gradq.client.window),
-            so 128 serves 16 such ranks on a host. Each stream may hold requests not
-            yet in their rounds, so a host opening streams without end is refused.
+            a shard, up to 9 where the path is long (8 for its pushes besides
+            its first; gradq.client.shard_connections), so 128 serves 14 such
+            ranks on a host. Each stream may hold requests not yet in their
+            rounds, so a host opening streams without end is refused.
         max_watches: Watch streams open at once in all (one per joined rank:
             how the aggregator learns in a moment that a rank's process is gone).
             A stream is a parked coroutine and an HTTP/2 stream, like a waiting call.

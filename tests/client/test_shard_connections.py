@@ -97,11 +97,12 @@ def test_pushes_in_flight_grow_to_the_path_over_several_connections_and_shrink_b
     assert window.window_bytes(0) == CAP
     transport = clients[0]._sender.transports[0]
     assert isinstance(transport, ShardConnections)
-    assert transport.opened == CAP // CONNECTION_BYTES  # one connection per send buffer of the window
+    # One connection per send buffer of the window, besides the first (its Join and Watch).
+    assert transport.opened == CAP // CONNECTION_BYTES + 1
     # The path shortens (a LAN): the window falls back to its count, the connections stay open for later.
     InjectedPath.rtt = 1e-6
     assert step(clients, 2)[0] == 2
-    assert window.connections(0) == 1 and transport.opened == CAP // CONNECTION_BYTES
+    assert window.connections(0) == 1 and transport.opened == CAP // CONNECTION_BYTES + 1
 
 
 def test_a_resend_on_another_connection_is_counted_once(server: AggregatorServer, clients: list[WorkerClient]) -> None:
@@ -169,7 +170,7 @@ class FakeTransport:
         self.closed = True
 
 
-def test_a_new_connection_takes_twice_what_it_delivered_and_the_rest_go_to_the_warm_ones() -> None:
+def test_new_connections_take_twice_what_they_delivered_and_leave_the_first_to_its_watch() -> None:
     first = FakeTransport()
     opened: list[FakeTransport] = []
     closed: list[int] = []
@@ -185,17 +186,18 @@ def test_a_new_connection_takes_twice_what_it_delivered_and_the_rest_go_to_the_w
     assert len(first.sent) == 4 and not opened
     for reply in warm:
         reply.settle()  # the first connection delivered 4000 bytes
-    wanted[0] = 2
-    for sequence in range(4, 10):
+    wanted[0] = 2  # two besides the first, which keeps its Join and Watch to itself from now on
+    for sequence in range(4, 6):
         connections.send(push, sequence)
-    # The new connection has delivered nothing: one push; the warm one takes the rest (room for 8000).
-    assert connections.opened == 2 and len(opened[0].sent) == 1 and len(first.sent) == 4 + 5
+    assert connections.opened == 3 and len(first.sent) == 4
+    assert [len(extra.sent) for extra in opened] == [1, 1]  # new: one push each, then no room
     opened[0].sent[0].settle()  # it delivered a push: room for two
-    for sequence in range(10, 12):
+    for sequence in range(6, 9):
         connections.send(push, sequence)
-    assert len(opened[0].sent) == 3
-    assert connections.in_flight() == [5000, 2000]
+    # Two went to the connection with room; the third to the least loaded, as every one is full.
+    assert [len(extra.sent) for extra in opened] == [3, 2]
+    assert connections.in_flight() == [0, 2000, 2000]
     connections.close()
-    assert first.closed and opened[0].closed and closed == [1]
+    assert first.closed and all(extra.closed for extra in opened) and closed == [1, 2]
     with pytest.raises(ValueError, match="closed"):
         connections.send(push, 99)
