@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,13 +14,15 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from status_html import job_row
+from waiting import wait_until
 
 from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, Scheme, encode
 from gradq.server.cli import build_parser
-from gradq.server.process import spawn_aggregator
+from gradq.server.process import free_port, spawn_aggregator
 
 
 def start_serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
@@ -117,7 +118,8 @@ def test_environment_configures_the_server(tmp_path: Path, processes: list[subpr
 def test_sigterm_goes_not_serving_finishes_round_in_flight_and_exits_0(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
-    process, port = start_serve(tmp_path, "--world-size", "2", "--grace", "10")
+    metrics_port = free_port()  # its /status shows when the first push has opened its round
+    process, port = start_serve(tmp_path, "--world-size", "2", "--grace", "10", "--metrics-port", str(metrics_port))
     processes.append(process)
     tensor = tensor_to_proto(encode(np.ones(16, np.float32), QuantConfig(scheme=Scheme.FLOAT32)))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -128,14 +130,15 @@ def test_sigterm_goes_not_serving_finishes_round_in_flight_and_exits_0(
         first = stub.PushPull.future(
             pb.PushPullRequest(job_id="j", step=0, bucket=0, rank=0, tensor=tensor), timeout=30
         )
-        time.sleep(0.3)
+        wait_until(lambda: job_row(metrics_port, "j").get("open rounds") == "1", "rank 0's push in its round")
         process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        status = health_pb2.HealthCheckResponse.SERVING
-        while status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-            time.sleep(0.05)
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(
+            lambda: (
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            ),
+            "the health check to say NOT_SERVING",
+        )
         with pytest.raises(grpc.RpcError) as refused:  # no new rounds once stopping
             stub.PushPull(pb.PushPullRequest(job_id="j", step=1, bucket=0, rank=0, tensor=tensor), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
