@@ -268,6 +268,10 @@ class _WindowSampler:
         return {"peak_pushes": self.peak_pushes, "peak_bytes": self.peak_bytes, "connections": self.connections}
 
 
+class RowFailedError(RuntimeError):
+    """A pusher of one row exited with an error: the row is reported as failed and the run goes on."""
+
+
 @dataclass
 class PushRow:
     """One (round trip, rate, gradq tree) of the push report."""
@@ -348,7 +352,11 @@ def _push_row(
                 )
         for rank, pusher in enumerate(pushers):
             if pusher.wait(timeout=900) != 0:
-                raise RuntimeError(f"pusher {rank} failed:\n{(out / f'rank{rank}.log').read_text()[-3000:]}")
+                error = (out / f"rank{rank}.log").read_text().strip().splitlines()[-1:]
+                server_log = (out / "aggregator.log").read_text().strip().splitlines()[-5:]
+                raise RowFailedError(
+                    f"pusher {rank}: {' '.join(error)}; aggregator's log ends: {' / '.join(server_log)}"
+                )
     finally:
         for process in [*pushers, server]:
             if process.poll() is None:
@@ -385,6 +393,7 @@ def measure_pushes(args: argparse.Namespace) -> list[PushRow]:
     """Every push row: one topology per round trip (veth at 0), every rate on it."""
     rows = []
     raw: dict[tuple[float, str], tuple[dict[int, float], dict[int, float]]] = {}
+    failures: list[str] = args.failures
     with tempfile.TemporaryDirectory(prefix="gradq-wan-") as work:
         for rtt in args.rtts:
             topology = netns.build_topology(args.hosts, 1, rtt)
@@ -392,7 +401,11 @@ def measure_pushes(args: argparse.Namespace) -> list[PushRow]:
                 for rate in args.rates:
                     for tree in args.trees * args.repeat:  # alternated: the machine's load changes alike for each
                         print(f"push {rtt:g} ms {rate or 'unshaped'} {tree[0]} ...", file=sys.stderr, flush=True)
-                        rows.append(_push_row(topology, rtt, rate, tree, args, Path(work), raw))
+                        try:
+                            rows.append(_push_row(topology, rtt, rate, tree, args, Path(work), raw))
+                        except RowFailedError as error:
+                            failures.append(f"{rtt:g} ms, {rate or 'unshaped'}, {tree[0] or 'this tree'}: {error}")
+                            print(f"    failed: {error}", file=sys.stderr, flush=True)
             finally:
                 topology.close()
     return rows
@@ -442,6 +455,12 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
             f"{max(host[-1] for host in row.host_seconds):.2f} | "
             f"{row.payload_bytes / median / 1e6:.1f} | {versus} | {fresh} | {steady} |"
         )
+    if args.failures:
+        lines += [
+            "",
+            "Rows that failed (a pusher exited with an error):",
+            *(f"- {failure}" for failure in args.failures),
+        ]
     return "\n".join(lines)
 
 
@@ -523,6 +542,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="push: runs of each tree per row, alternated")
     parser.add_argument("--note", default="", help="a sentence for the report's setup (e.g. which gradq tree ran)")
     args = parser.parse_args(argv)
+    args.failures = []  # push rows whose pushers failed, filled while measuring
     if args.rtts is None:
         args.rtts = [50.0, 100.0] if args.report else [0.0, 50.0, 100.0]
     if args.rates is None:
