@@ -25,6 +25,7 @@ def wait_until(
     *,
     alive: Callable[[], bool] | None = None,
     detail: Callable[[], str] | None = None,
+    poll_s: float = _POLL_S,
 ) -> T:
     """Poll ``done`` until it returns something true, and return that.
 
@@ -35,6 +36,7 @@ def wait_until(
         alive: whether what could still make it hold runs (a process, say); when it stops, fail at once
             rather than at the deadline.
         detail: more for the failure (a log's tail, what each process printed), read only when it fails.
+        poll_s: the pause between looks; longer where a look is costly (a command run, a page scraped).
 
     Raises:
         AssertionError: it did not hold within ``timeout_s``, or ``alive`` said no first; the message names
@@ -48,7 +50,7 @@ def wait_until(
             )
         if time.monotonic() >= deadline:
             raise AssertionError(_failure(f"waited {timeout_s:g} s for {what}", value, detail))
-        time.sleep(_POLL_S)
+        time.sleep(poll_s)
     return value
 
 

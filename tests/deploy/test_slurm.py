@@ -12,13 +12,12 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 from dependencies import require_program
+from waiting import wait_until
 
 pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
 
@@ -67,20 +66,13 @@ def submit(output_dir: Path, *script_args: str, **variables: str) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not {what} after {timeout_s:g} s"
-        time.sleep(0.5)
-
-
 def job_record(job_id: str) -> dict[str, str]:
     """The job's fields as `scontrol show job` has them (kept MinJobAge seconds after it ends)."""
     return dict(re.findall(r"(\w+)=(\S*)", slurm("scontrol", "show", "job", "--oneliner", job_id)))
 
 
 def wait_for_end(job_id: str, timeout_s: float = 150) -> dict[str, str]:
-    wait_until(lambda: job_record(job_id)["JobState"] in ENDED, timeout_s, f"job {job_id} ended")
+    wait_until(lambda: job_record(job_id)["JobState"] in ENDED, f"job {job_id} ended", timeout_s, poll_s=0.5)
     return job_record(job_id)
 
 
@@ -130,7 +122,7 @@ def test_a_job_trains_through_its_aggregator_and_leaves_nothing_running(tmp_path
 
 def test_scancel_during_training_ends_every_shard_and_rank(tmp_path: Path) -> None:
     job_id = submit(tmp_path, "--steps", "1000000", GRADQ_SHARDS="2")
-    wait_until(lambda: "join rank 0 to job" in output_of(tmp_path, job_id), 120, f"job {job_id} training")
+    wait_until(lambda: "join rank 0 to job" in output_of(tmp_path, job_id), f"job {job_id} training", 120, poll_s=0.5)
     running = job_processes(job_id)
     # The supervisor and both shards, torchrun and its 2 ranks are there to be ended.
     assert sum("gradq.server" in line or "gradq serve" in line for line in running) == 3, running
