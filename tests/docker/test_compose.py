@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 pytestmark = [pytest.mark.docker, pytest.mark.e2e]  # e2e: a slow end-to-end run, deselected unless --e2e
 
@@ -207,13 +208,14 @@ def test_tls_and_shards_combined_both_serve_and_metrics_match_the_workers(compos
 
         # The monitoring profile's Prometheus scrapes both shards to the same total.
         pushes = sum(r[2] for r in results.values())
-        deadline = time.monotonic() + 60
-        scraped = None
-        while scraped != pushes and time.monotonic() < deadline:
-            time.sleep(1)
-            with contextlib.suppress(OSError):
-                scraped = prometheus_sum(int(env["GRADQ_PROMETHEUS_HOST_PORT"]), "gradq_contributions_total")
-        assert scraped == pushes
+
+        def scraped() -> float | None:
+            with contextlib.suppress(OSError):  # Prometheus still starting
+                return prometheus_sum(int(env["GRADQ_PROMETHEUS_HOST_PORT"]), "gradq_contributions_total")
+            return None
+
+        # Each look is a query to Prometheus: once a second.
+        wait_until(lambda: scraped() == pushes, f"Prometheus's sum of {pushes} contributions", 60, poll_s=1.0)
     finally:
         aggregator_log = compose(env, files, "logs", "--no-color", "aggregator").stdout
         down(env)
