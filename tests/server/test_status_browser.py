@@ -10,7 +10,6 @@ import shutil
 import struct
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from dependencies import require_program
 from status_html import cells
+from waiting import wait_until
 
 from gradq.client import AggregationError, WorkerClient
 from gradq.client import serde as client_serde
@@ -117,11 +117,11 @@ def test_the_status_page_in_a_real_browser(
     lonely = WorkerClient(address, HOSTILE, 0, 2)
     with pytest.raises(AggregationError):
         lonely.push_pull(0, 0, np.ones(10, np.float32))
-    deadline = time.monotonic() + 60  # the first rounds may wait for numba to compile the 4-bit kernels
-    while completed(server, "resnet-a") < 3 or not getattr(status_of(server, "bert-b"), "lost", ()):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    wait_until(
+        lambda: completed(server, "resnet-a") >= 3 and getattr(status_of(server, "bert-b"), "lost", ()),
+        "3 rounds of resnet-a completed and bert-b's rank lost",
+        60,  # the first rounds may wait for numba to compile the 4-bit kernels
+    )
     url = f"http://127.0.0.1:{server.metrics_port}/status"
     try:
         before = completed(server, "resnet-a")
