@@ -10,14 +10,14 @@ gradq.server.membership's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 
 from gradq.qcore import ErrorFeedback
 from gradq.server.budget import MemoryAccount
+from gradq.server.ended_runs import EndedRuns
 from gradq.server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -40,11 +40,6 @@ log = logging.getLogger(__name__)
 # Earlier incarnations of a job remembered per job, so a straggler of a finished
 # run cannot retire the run that replaced it by joining again.
 _SUPERSEDED_KEPT = 8
-# Runs that ended (their last member left with a Leave) remembered at once, each for --job-idle-timeout, so a
-# host that comes back to one is told it ended; the oldest is forgotten first, so ending many jobs (a hostile
-# client can) holds at most this many keys, each a job id (at most MAX_JOB_ID_LENGTH) and an incarnation's
-# 16-byte digest (an incarnation has no length limit of its own).
-_ENDED_KEPT = 4096
 
 
 def describe_incarnation(incarnation: str) -> str:
@@ -138,7 +133,7 @@ class JobTable:
         self._jobs: dict[str, Job] = {}
         self._started_by: Counter[str] = Counter()  # client host -> jobs it started that are known
         # (job id, incarnation) -> when the run ended: every member left with a Leave (see ``ended``).
-        self._ended: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self.ended_runs = EndedRuns(limits.job_idle_timeout_s)
 
     def join(self, spec: JobSpec, now: float, peer: str = "") -> Joined:
         """Register the member ``spec`` names with the current run of its job; idempotent, so it may rejoin.
@@ -322,7 +317,7 @@ class JobTable:
             job.last_active = now
             retired = [self._forget(job, f"every rank left {job.describe()}")] if job.members.empty else []
             if retired:
-                self._remember_ended(job, now)
+                self.ended_runs.remember(job.job_id, job.incarnation, now)
         log.info("leave rank %d from %s", rank, job.describe())
         return job, retired
 
@@ -340,33 +335,6 @@ class JobTable:
         """Every current job. Caller holds ``lock``."""
         return list(self._jobs.values())
 
-    def ended(self, job_id: str, incarnation: str, now: float) -> bool:
-        """Whether run ``incarnation`` of ``job_id`` ended here within --job-idle-timeout. Caller holds ``lock``.
-
-        A run ended when its last member left with a Leave: its hosts finished. One whose members were all
-        lost (their Watch streams ended without a Leave) did not; it stays until it expires, and a host
-        that comes back to it is told what became of it there.
-        """
-        self._forget_ended(now)
-        return _ended_key(job_id, incarnation) in self._ended
-
-    def _remember_ended(self, job: Job, now: float) -> None:
-        """``job``'s run ended (its last member left): remember it, bounded in count and time. Caller holds ``lock``."""
-        key = _ended_key(job.job_id, job.incarnation)
-        self._ended.pop(key, None)
-        self._ended[key] = now
-        while len(self._ended) > _ENDED_KEPT:
-            self._ended.popitem(last=False)
-        self._forget_ended(now)
-
-    def _forget_ended(self, now: float) -> None:
-        """Forget ended runs older than --job-idle-timeout (oldest first). Caller holds ``lock``."""
-        while self._ended:
-            key, when = next(iter(self._ended.items()))
-            if now - when <= self.limits.job_idle_timeout_s:
-                return
-            del self._ended[key]
-
     def _check_not_ended(self, spec: JobSpec, job: Job | None, now: float) -> None:
         """Refuse a host that resumes (or waits to join) a run that ended: nobody is left to form it with.
 
@@ -380,7 +348,7 @@ class JobTable:
         if not spec.elastic or spec.role is MemberRole.STARTING:
             return
         live = job is not None and job.incarnation == spec.incarnation
-        if live or not self.ended(spec.job_id, spec.incarnation, now):
+        if live or not self.ended_runs.ended(spec.job_id, spec.incarnation, now):
             return
         raise FailedPreconditionError(
             f"job {spec.job_id!r} ({describe_incarnation(spec.incarnation)}) has ended: its other hosts finished "
@@ -420,7 +388,7 @@ class JobTable:
 
     def _new_job(self, spec: JobSpec, incarnation: str, now: float, superseded: tuple[str, ...], peer: str) -> Job:
         job_id, world_size, job_ranks = spec.job_id, spec.world_size, spec.job_ranks
-        self._ended.pop(_ended_key(job_id, incarnation), None)  # a new run under that incarnation: it has not ended
+        self.ended_runs.forget(job_id, incarnation)  # a new run under that incarnation has not ended
         members = Membership(world_size, job_ranks or world_size, job_ranks > 0, spec.elastic, spec.max_members)
         account = MemoryAccount(
             f"job {job_id!r} ({describe_incarnation(incarnation)})", self.limits.max_job_memory_bytes
@@ -458,11 +426,6 @@ class JobTable:
             raise InvalidArgumentError(
                 f"rank={rank} is out of range; expected 0..{world_size - 1} for world_size={world_size}"
             )
-
-
-def _ended_key(job_id: str, incarnation: str) -> tuple[str, bytes]:
-    """How an ended run is remembered: its job id and a digest of its incarnation (bounded in size)."""
-    return job_id, hashlib.blake2b(incarnation.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _elastic_run(job: Job, spec: JobSpec) -> str:

@@ -107,7 +107,7 @@ class RoundTable:
         # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
         self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
         # Told (under a round's lock: it must not block) when a DiLoCo job's global state on the aggregator is
-        # whole before an outer round: the joiners waiting then receive it (gradq.server.outer_joiners).
+        # whole before an outer round: the joiners waiting then receive it (OuterJoiners, gradq.server.outer_service).
         self.outer_boundary: Callable[[Job, int], None] = lambda job, step: None
         # Told (outside every lock) with a job id whenever its start quorum's model vote may have changed: the
         # Joins waiting for the decision look again (the servicer's).

@@ -71,13 +71,12 @@ _REFUSAL_PAUSE_S = 0.1
 # accumulated (each holds its request, at most --max-message-bytes), or refused there and not yet written
 # (each a PushPullResponse of at most MAX_DETAILS_CHARACTERS of details). A push in its round holds a
 # waiting slot instead, capped as waiting calls are. Past this many the stream is not read until they
-# move on, so a client that never reads its refusals leaves at most this many with the server (about
-# 70 KiB; issue 41 measured 150 MiB a stream when a stream read 2 x --max-waiting-per-peer pushes ahead
-# and each refusal quoted a 64 KiB job id). 32 keeps the pool's threads busy with one stream's large
-# pushes, and a reading client's refusals flowing.
+# move on, so a client that never reads its refusals leaves at most this many with the server, not every
+# push it sent ahead (each refusal may quote a long job id). 32 keeps the pool's threads busy with one
+# stream's large pushes, and a reading client's refusals flowing.
 _UNADMITTED_PER_STREAM = 32
 # How long a Join whose model disagrees with another host's waits for the start quorum to decide, at most
-# (see GradqServicer._await_model).
+# (see AggregatorServicer._await_model).
 _MODEL_WAIT_S = 60.0
 
 

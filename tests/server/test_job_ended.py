@@ -13,7 +13,7 @@ from gradq.client import WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.client.membership import JobEndedError
 from gradq.qcore import QuantConfig, Scheme
-from gradq.server import jobs
+from gradq.server.ended_runs import EndedRuns
 from gradq.server.errors import FailedPreconditionError, Refusal
 from gradq.server.job_spec import JobSpec, MemberRole
 from gradq.server.limits import ServiceLimits
@@ -77,20 +77,31 @@ def test_ended_runs_are_forgotten_after_the_idle_timeout() -> None:
     table.join(spec(1, MemberRole.RESUMING))  # forgotten: the host resumes a run of its own, as before
 
 
-def test_ended_runs_remembered_are_bounded_however_many_jobs_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "_ENDED_KEPT", 3)
-    clock = [0.0]
-    table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: clock[0])
+def test_ended_runs_remembered_are_bounded_however_many_jobs_end() -> None:
+    runs = EndedRuns(keep_s=600.0, kept=3)
     long_run = "x" * 100_000  # an incarnation has no length limit: what is remembered must not grow with it
     for number in range(5):
-        job_id = f"job-{number}"
-        table.join(spec(0, incarnation=long_run, job_id=job_id))
-        table.leave(job_id, 0, long_run)
-    with table.jobs.lock:
-        assert [table.jobs.ended(f"job-{n}", long_run, clock[0]) for n in range(5)] == [False, False, True, True, True]
-        remembered = list(table.jobs._ended)
-    assert all(len(job_id) + len(digest) < 64 for job_id, digest in remembered)
-    table.join(spec(0, MemberRole.RESUMING, long_run, "job-0"))  # the oldest was forgotten first
+        runs.remember(f"job-{number}", long_run, now=float(number))
+    assert [runs.ended(f"job-{n}", long_run, 5.0) for n in range(5)] == [False, False, True, True, True]
+    assert len(runs) == 3
+    assert all(len(job_id) + len(digest) < 64 for job_id, digest in runs.remembered())
+    assert not runs.ended("job-4", long_run + "y", 5.0)  # another run of the job never ended
+    runs.forget("job-4", long_run)  # a new run under that incarnation started
+    assert not runs.ended("job-4", long_run, 5.0)
+    assert not runs.ended("job-3", long_run, 3.0 + 600.5)  # and each is kept for keep_s only
+    assert len(runs) == 0  # (job-2 and job-3 expired too, oldest first)
+
+
+def test_the_table_forgets_the_oldest_ended_run_first() -> None:
+    table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: 0.0)
+    table.jobs.ended_runs = EndedRuns(keep_s=600.0, kept=1)
+    for job_id in ("job-0", "job-1"):
+        table.join(spec(0, job_id=job_id))
+        table.leave(job_id, 0, "run")
+    table.join(spec(0, MemberRole.RESUMING, job_id="job-0"))  # forgotten: it resumes a run of its own, as before
+    with pytest.raises(FailedPreconditionError) as refused:
+        table.join(spec(0, MemberRole.RESUMING, job_id="job-1"))
+    assert refused.value.refusal is Refusal.JOB_ENDED
 
 
 @pytest.fixture
