@@ -167,7 +167,15 @@ class RoundTable:
                 members.is_pending(member),
                 members.model_undecided(member),
             )
+            formed = members.formed
         if refused:
+            log.warning(
+                "%s: the start quorum's model refused members %s, each a lost host; the job %s (%d joined)",
+                job.describe(),
+                refused,
+                "formed" if formed else "forms once enough hosts join",
+                answer.joined,
+            )
             self._fail_refused(job, refused)
             self._formed_without_refused(job.job_id)
         if members.elastic:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,7 +36,10 @@ def table_at(clock: list[float]) -> RoundTable:
     return RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: clock[0])
 
 
-def test_the_odd_starter_joining_first_is_refused_and_the_other_two_form_the_job() -> None:
+def test_the_odd_starter_joining_first_is_refused_and_the_other_two_form_the_job(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "gradq.server")
     clock = [0.0]
     table = table_at(clock)
     odd = table.join(starter(ODD))  # first: nobody disagrees yet, so it is answered
@@ -45,6 +49,7 @@ def test_the_odd_starter_joining_first_is_refused_and_the_other_two_form_the_job
     assert first.model_undecided  # its Join waits for the start quorum
     second = table.join(starter(RIGHT))  # two of three agree: the odd host is refused, the job forms without it
     assert table.model_decided("vote", first.rank, "run")
+    assert "refused members [0], each a lost host; the job formed (2 joined)" in caplog.text
     with pytest.raises(FailedPreconditionError, match="goes on without it") as refused:
         wait(table, odd_ticket)
     assert refused.value.refusal is Refusal.MODEL_MISMATCH
@@ -58,7 +63,10 @@ def test_the_odd_starter_joining_first_is_refused_and_the_other_two_form_the_job
     assert table.active_jobs() == {"vote": [1, 2]}
 
 
-def test_the_odd_starter_joining_last_is_refused_at_its_join_and_the_rounds_waiting_finish() -> None:
+def test_the_odd_starter_joining_last_is_refused_at_its_join_and_the_rounds_waiting_finish(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "gradq.server")
     clock = [0.0]
     table = table_at(clock)
     ranks = [table.join(starter(RIGHT, world_size=4)).rank for _ in range(3)]  # a majority of 4: model decided
@@ -67,6 +75,7 @@ def test_the_odd_starter_joining_last_is_refused_at_its_join_and_the_rounds_wait
     with pytest.raises(FailedPreconditionError, match="forms without it") as refused:
         table.join(starter(ODD, world_size=4))
     assert refused.value.refusal is Refusal.MODEL_MISMATCH
+    assert "for its model: the job forms without it (3 joined; formed)" in caplog.text
     result = wait(table, tickets[0])  # the round finished over the three that agree, no deadline passed
     assert sorted(result.contributors) == ranks
     assert result.encoded is not None
