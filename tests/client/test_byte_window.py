@@ -31,6 +31,7 @@ class SimulatedPath:
     peak_bytes: int = 0
     peak_pushes: int = 0
     answered: int = 0
+    backlog: bool = True  # keep the backlog full; False: the pushes queued run out
 
     def __post_init__(self) -> None:
         given = {"max_bytes": 256 * MIB, "max_pushes": 1000, "connection_bytes": 4 * MIB, **self.settings_of}
@@ -65,7 +66,8 @@ class SimulatedPath:
             self.answered += 1
             for started in self.window.release(0, item, PUSH, answered=not failing):
                 self._send(started)
-            self._submit()
+            if self.backlog:
+                self._submit()
         self.now = until
 
     def reset_peaks(self) -> None:
@@ -123,6 +125,25 @@ def test_the_window_shrinks_back_when_the_round_trip_rises_and_when_the_link_slo
     # The shortest round trip now holds a push's own 84 ms on the slow link.
     holds = path.rate * (path.rtt + PUSH / path.rate)
     assert path.peak_bytes <= 2 * holds + PUSH, f"{path.peak_bytes} in flight on a path that holds {holds:.0f}"
+
+
+def test_a_round_after_an_idle_minute_starts_at_the_window_the_last_one_ended_with() -> None:
+    path = SimulatedPath(rate=125e6, rtt=0.1)
+    path.run(until=5.0)
+    grown = path.window.window_bytes(0)
+    path.backlog = False
+    path.window.drain(0)  # the round's last pushes: nothing waits behind the ones on the wire
+    path.run(until=10.0)
+    assert path.window.in_flight(0) == (0, 0)
+    path.now = 70.0  # a minute of compute
+    path.backlog = True
+    path.reset_peaks()
+    for _ in range(100):  # the next round's chunks, queued at once
+        path._submit()
+    assert path.window.window_bytes(0) == grown
+    assert path.peak_bytes >= 0.9 * grown, "the round after the idle minute restarted from the count"
+    path.run(until=71.0)
+    assert path.window.window_bytes(0) >= 0.9 * grown  # the fresh shortest round trip is the path's
 
 
 def test_a_failure_drops_the_window_to_its_count_and_it_grows_again() -> None:
