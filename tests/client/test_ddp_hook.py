@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import ddp_probe
 import numpy as np
@@ -14,17 +14,14 @@ import torch
 from gradq.client.chunks import DEFAULT_CHUNK_ELEMENTS
 from gradq.client.ddp import GradqHookState
 from gradq.qcore import QuantConfig, Scheme
-from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.app import AggregatorServer
 from gradq.server.policy import RoundPolicy
 from gradq.server.process import free_port
 
 
 @pytest.fixture
-def aggregator() -> Iterator[AggregatorServer]:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=30.0), ServerOptions("127.0.0.1:0", grace_s=0.5))
-    server.start()
-    yield server
-    server.stop()
+def aggregator(start_aggregator: Callable[..., AggregatorServer]) -> AggregatorServer:
+    return start_aggregator(RoundPolicy(round_timeout_s=30.0), grace_s=0.5)
 
 
 def straddling(rng: np.random.Generator, numel: int, channel: int) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ from gradq.client import AggregationError, WorkerClient
 from gradq.client.ddp import GradqHookState
 from gradq.client.window import ShardWindow
 from gradq.qcore import QuantConfig, Scheme
-from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.app import AggregatorServer
 from gradq.server.policy import RoundPolicy
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
@@ -63,11 +63,8 @@ def contributors(server: AggregatorServer, job_id: str) -> dict[tuple[int, int],
 
 
 @pytest.fixture
-def server() -> Iterator[AggregatorServer]:
-    aggregator = AggregatorServer(RoundPolicy(world_size=2, round_timeout_s=10.0), ServerOptions("127.0.0.1:0"))
-    aggregator.start()
-    yield aggregator
-    aggregator.stop()
+def server(start_aggregator: Callable[..., AggregatorServer]) -> AggregatorServer:
+    return start_aggregator(RoundPolicy(world_size=2, round_timeout_s=10.0))
 
 
 def test_a_held_back_push_goes_out_once_the_one_before_it_settles(server: AggregatorServer) -> None:
