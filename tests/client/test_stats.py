@@ -3,35 +3,33 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from gradq.client import WorkerClient
 from gradq.qcore import QuantConfig, wire_size
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
+from gradq.server.app import AggregatorServer
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
-def test_stats_count_what_was_sent_and_log_one_line(caplog: pytest.LogCaptureFixture, error_feedback: bool) -> None:
-    server = AggregatorServer(RoundPolicy(round_timeout_s=5.0), ServerOptions("127.0.0.1:0"))
-    server.start()
+def test_stats_count_what_was_sent_and_log_one_line(
+    caplog: pytest.LogCaptureFixture, start_aggregator: Callable[..., AggregatorServer], error_feedback: bool
+) -> None:
+    server = start_aggregator()  # round timeout 5 s
     config = QuantConfig(bits=8)
     numel, pushes = 4096, 20
-    try:
-        with (
-            caplog.at_level(logging.INFO, logger="gradq.client.stats"),
-            WorkerClient(
-                f"127.0.0.1:{server.port}", "stats", 0, 1, config, error_feedback=error_feedback, log_every_s=0.0
-            ) as client,
-        ):
-            rng = np.random.default_rng(0)
-            for step in range(pushes):
-                client.push_pull(step, 0, rng.normal(size=numel).astype(np.float32))
-            stats = client.stats()
-    finally:
-        server.stop()
+    with (
+        caplog.at_level(logging.INFO, logger="gradq.client.stats"),
+        WorkerClient(
+            f"127.0.0.1:{server.port}", "stats", 0, 1, config, error_feedback=error_feedback, log_every_s=0.0
+        ) as client,
+    ):
+        rng = np.random.default_rng(0)
+        for step in range(pushes):
+            client.push_pull(step, 0, rng.normal(size=numel).astype(np.float32))
+        stats = client.stats()
     assert stats.pushes == pushes
     assert stats.bytes_sent == pushes * wire_size(numel, config) == stats.bytes_received
     assert stats.uncompressed_bytes == pushes * 4 * numel and stats.dtype == "float32"
