@@ -14,14 +14,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "diloco_train.py"
 SYNC_EVERY = 10
 RUN_TIMEOUT_S = 300
+StartAggregator = Callable[..., AggregatorServer]  # the start_aggregator fixture (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,27 @@ def train(aggregator: AggregatorServer, job_id: str, out: Path, *args: str) -> l
     return finish([start(aggregator, job_id, seed, out, *args) for seed in range(3)], out, range(3))
 
 
+def round_of(progress: Path) -> int:
+    """The outer round a host's ``--progress`` file names; -1 before it names one."""
+    text = progress.read_text() if progress.exists() else ""
+    return int(text) if text else -1
+
+
+def wait_for_round(progress: Path, at_least: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until the host writing ``progress`` is at outer round ``at_least``; fail at once if it exits.
+
+    Raises:
+        AssertionError: it exited first, or did not get there within RUN_TIMEOUT_S; with its log's tail.
+    """
+    wait_until(
+        lambda: round_of(progress) >= at_least,
+        f"the host at outer round {at_least}",
+        RUN_TIMEOUT_S,
+        alive=lambda: process.poll() is None,
+        detail=lambda: log.read_text()[-3000:],
+    )
+
+
 def assert_identical(hosts: Sequence[Host]) -> None:
     for host in hosts[1:]:
         for mine, theirs in zip(hosts[0].global_parameters, host.global_parameters, strict=True):
@@ -128,7 +150,9 @@ def test_every_outer_round_leaves_the_hosts_bit_identical(
     assert [host.figures["matches_aggregator"] for host in hosts] == [outer_step == "aggregator"] * 3
 
 
-def test_an_aggregator_restart_loses_no_training(aggregator: AggregatorServer, tmp_path: Path) -> None:
+def test_an_aggregator_restart_loses_no_training(
+    aggregator: AggregatorServer, start_aggregator: StartAggregator, tmp_path: Path
+) -> None:
     # Two hosts, so that the sums agree bit for bit whatever the order of arrival (see the checkpoint test).
     seeds, rounds = range(2), 6
     common = ("--rounds", str(rounds), "--step-delay", "0.01")
@@ -138,10 +162,8 @@ def test_an_aggregator_restart_loses_no_training(aggregator: AggregatorServer, t
         tmp_path / "steady",
         seeds,
     )
-    restarted = AggregatorServer(
-        RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions("127.0.0.1:0")
-    )
-    restarted.start()
+    policy = RoundPolicy(round_timeout_s=60.0, server_error_feedback=False)
+    restarted = start_aggregator(policy)
     port = restarted.port
     out, progress = tmp_path / "restarted", tmp_path / "progress"
     out.mkdir()
@@ -149,19 +171,10 @@ def test_an_aggregator_restart_loses_no_training(aggregator: AggregatorServer, t
         start(restarted, "diloco-restart", 0, out, *common, "--progress", str(progress), hosts=2),
         start(restarted, "diloco-restart", 1, out, *common, hosts=2),
     ]
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 2):
-            assert time.monotonic() < deadline and processes[0].poll() is None, (out / "host0.log").read_text()
-            time.sleep(0.05)
-        restarted.stop()  # everything the aggregator held is gone: the global state, the momentum, the rounds
-        restarted = AggregatorServer(
-            RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions(f"127.0.0.1:{port}")
-        )
-        restarted.start()
-        hosts = finish(processes, out, seeds)
-    finally:
-        restarted.stop()
+    wait_for_round(progress, 2, processes[0], out / "host0.log")
+    restarted.stop()  # everything the aggregator held is gone: the global state, the momentum, the rounds
+    start_aggregator(policy, address=f"127.0.0.1:{port}")
+    hosts = finish(processes, out, seeds)
 
     digests = [host.figures["digests"] for host in hosts]
     both_took = set(digests[0]) & set(digests[1])  # the rounds both hosts took are identical
@@ -223,10 +236,7 @@ def test_a_host_killed_mid_round_is_dropped_and_a_later_joiner_is_identical_afte
         start(aggregator, "diloco-elastic", 2, tmp_path, *common, "--die-in-round", "2"),
     ]
     assert processes[2].wait(timeout=RUN_TIMEOUT_S) == -9  # SIGKILLed during round 2
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
-        assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for_round(progress, 4, processes[0], tmp_path / "host0.log")
     joiner = start(aggregator, "diloco-elastic", 3, tmp_path, *common)
     hosts = finish([processes[0], processes[1], joiner], tmp_path, (0, 1, 3))
 
@@ -250,21 +260,12 @@ def test_a_host_silent_past_the_keepalive_is_dropped_and_rejoins_by_itself(
         *(start(aggregator, "diloco-silent", seed, tmp_path, *common) for seed in (1, 2)),
     ]
 
-    def round_of_host0() -> int:
-        text = progress.read_text() if progress.exists() else ""
-        return int(text) if text else -1
-
-    def wait_for_round(at_least: int) -> None:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while round_of_host0() < at_least:
-            assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()
-            time.sleep(0.05)
-
-    wait_for_round(3)
+    wait_for_round(progress, 3, processes[0], tmp_path / "host0.log")
     os.kill(processes[2].pid, signal.SIGSTOP)  # a hung host: its connections stay open, it answers nothing
-    stopped_at = round_of_host0()
+    stopped_at = round_of(progress)
     try:
-        wait_for_round(stopped_at + 3)  # the others go on: it was dropped (a round waits for every member)
+        # The others go on: it was dropped (a round waits for every member).
+        wait_for_round(progress, stopped_at + 3, processes[0], tmp_path / "host0.log")
     finally:
         os.kill(processes[2].pid, signal.SIGCONT)
     hosts = finish(processes, tmp_path, range(3))
@@ -345,10 +346,7 @@ def test_hosts_of_two_ranks_push_one_copy_and_every_round_leaves_them_bit_identi
         host(0, "--rounds", "40", "--step-delay", "0.08", "--progress", str(progress)),
         host(1, "--rounds", "40", "--step-delay", "0.08"),
     ]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
-        assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for_round(progress, 3, processes[0], tmp_path / "host0.log")
     processes.append(host(2, "--rounds", "40", "--step-delay", "0.08"))
     codes = [process.wait(timeout=RUN_TIMEOUT_S) for process in processes]
     assert codes == [0, 0, 0], "\n".join((tmp_path / f"host{seed}.log").read_text()[-3000:] for seed in range(3))

@@ -10,19 +10,27 @@ update lands.
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from test_diloco import RUN_TIMEOUT_S, STREAMING, SYNC_EVERY, assert_identical, finish, start
+from test_diloco import (
+    RUN_TIMEOUT_S,
+    STREAMING,
+    SYNC_EVERY,
+    aggregator,
+    assert_identical,
+    finish,
+    start,
+    wait_for_round,
+)
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco import DiLoCo
 from gradq.client.diloco.fragments import FragmentSchedule, split_buckets
-from gradq.server.app import AggregatorServer, ServerOptions
-from gradq.server.policy import RoundPolicy
+from gradq.server.app import AggregatorServer
+
+__all__ = ["aggregator"]  # the module's aggregator fixture, shared with test_diloco
 
 
 def test_each_fragment_starts_and_lands_at_its_own_inner_step() -> None:
@@ -42,7 +50,9 @@ def test_fragments_split_the_round_keys_by_size_one_at_least_each() -> None:
     assert split_buckets([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
     assert split_buckets([1, 1, 1, 100], 2) == [[0, 1, 2], [3]]
     assert split_buckets([5, 5, 5], 3) == [[0], [1], [2]]
-    with pytest.raises(ValueError, match=re.escape("fragments=4 but there are 3 round keys; expected at least one per fragment")):
+    with pytest.raises(
+        ValueError, match=re.escape("fragments=4 but there are 3 round keys; expected at least one per fragment")
+    ):
         split_buckets([5, 5, 5], 4)
 
 
@@ -71,16 +81,6 @@ def test_bad_fragment_settings_are_refused_naming_the_field(settings: dict[str, 
 
 
 # -- through a real aggregator ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def aggregator() -> Iterator[AggregatorServer]:
-    server = AggregatorServer(
-        RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions("127.0.0.1:0")
-    )
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.e2e
@@ -132,10 +132,7 @@ def test_a_joiner_enters_streamed_rounds_at_an_outer_round_boundary_and_is_ident
         start(aggregator, "streaming-joiner", 1, tmp_path, *common, "--die-in-round", "2", hosts=2),
     ]
     assert processes[1].wait(timeout=RUN_TIMEOUT_S) == -9  # SIGKILLed during round 2
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 4):
-        assert time.monotonic() < deadline and processes[0].poll() is None, (tmp_path / "host0.log").read_text()
-        time.sleep(0.05)
+    wait_for_round(progress, 4, processes[0], tmp_path / "host0.log")
     joiner = start(aggregator, "streaming-joiner", 2, tmp_path, *common, hosts=2)
     hosts = finish([processes[0], joiner], tmp_path, (0, 2))
     joined_at = hosts[1].figures["joined_at_round"]

@@ -12,14 +12,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_diloco import EXAMPLE, REPO, RUN_TIMEOUT_S, SYNC_EVERY, assert_identical, finish
+from test_diloco import (
+    EXAMPLE,
+    REPO,
+    RUN_TIMEOUT_S,
+    SYNC_EVERY,
+    StartAggregator,
+    assert_identical,
+    finish,
+    wait_for_round,
+)
 
-from gradq.server.app import AggregatorServer, ServerOptions
+from gradq.server.app import AggregatorServer
 from gradq.server.policy import RoundPolicy
 
 pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
@@ -28,20 +35,12 @@ pytestmark = pytest.mark.e2e  # a slow end-to-end run: deselected unless --e2e
 BUCKET_ELEMENTS = 20_000
 
 
-def shard(port: int = 0) -> AggregatorServer:
-    server = AggregatorServer(
-        RoundPolicy(round_timeout_s=60.0, server_error_feedback=False), ServerOptions(f"127.0.0.1:{port}")
-    )
-    server.start()
-    return server
+SHARD_POLICY = RoundPolicy(round_timeout_s=60.0, server_error_feedback=False)
 
 
 @pytest.fixture
-def shards() -> Iterator[list[AggregatorServer]]:
-    servers = [shard(), shard()]
-    yield servers
-    for server in servers:
-        server.stop()
+def shards(start_aggregator: StartAggregator) -> list[AggregatorServer]:
+    return [start_aggregator(SHARD_POLICY), start_aggregator(SHARD_POLICY)]
 
 
 def start(shards: list[AggregatorServer], job_id: str, seed: int, out: Path, *args: str) -> subprocess.Popen[bytes]:
@@ -58,13 +57,6 @@ def start(shards: list[AggregatorServer], job_id: str, seed: int, out: Path, *ar
     command += ["--bucket-elements", str(BUCKET_ELEMENTS), "--report", str(out), *args]
     log = (out / f"host{seed}.log").open("w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_for_round(progress: Path, round_: int, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= round_):
-        assert time.monotonic() < deadline and process.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.05)
 
 
 def test_two_shards_each_keep_their_keys_and_the_hosts_stay_bit_identical(
@@ -88,7 +80,7 @@ def test_two_shards_each_keep_their_keys_and_the_hosts_stay_bit_identical(
 
 
 def test_a_shard_restarted_alone_is_seeded_again_and_still_finds_a_host_that_dies(
-    shards: list[AggregatorServer], tmp_path: Path
+    shards: list[AggregatorServer], start_aggregator: StartAggregator, tmp_path: Path
 ) -> None:
     rounds = 10
     common = ("--rounds", str(rounds), "--step-delay", "0.01")
@@ -100,7 +92,7 @@ def test_a_shard_restarted_alone_is_seeded_again_and_still_finds_a_host_that_die
     wait_for_round(progress, 2, processes[0], tmp_path / "host0.log")
     port = shards[1].port
     shards[1].stop()  # shard 1 alone forgets its keys' global state, momentum, rounds and members
-    shards[1] = shard(port)
+    shards[1] = start_aggregator(SHARD_POLICY, address=f"127.0.0.1:{port}")
     assert processes[1].wait(timeout=RUN_TIMEOUT_S) == -9  # SIGKILLed during round 5
     # The restarted shard watches the hosts that came back: it drops the dead one at once, as shard 0 does, and
     # the survivor trains on (a shard that missed it would hold round 5 to its 60 s deadline and fail it).
