@@ -5,6 +5,7 @@ Also the default selection: the slow end-to-end tests (marker ``e2e``) run only 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def group() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs whose workers import tests/client's modules; shut down (every process) after."""
+    """A local Ray cluster of 2 CPUs whose workers import tests/client's modules and tests/' helpers; shut down."""
     from dependencies import require_module
 
     ray = require_module("ray", "ray")
@@ -130,8 +131,10 @@ def ray_cluster() -> Iterator[None]:
         patch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         patch.setenv("RAY_TRAIN_METRICS_ENABLED", "0")
         patch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
-        tests_client = str(Path(__file__).parent / "client")
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": tests_client}})
+        # tests/client's train functions, and tests/ for the helpers they share with the tests (tests/waiting.py).
+        tests = Path(__file__).parent
+        path = os.pathsep.join([str(tests / "client"), str(tests)])
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
         try:
             yield
         finally:

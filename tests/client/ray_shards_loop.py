@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import ray.train
 import ray.train.torch
 import torch
 from torch import nn
+from waiting import wait_until
 
 from gradq.client.integrations.ray_train import use_gradq
 
@@ -44,10 +44,7 @@ def train_func(config: dict[str, Any]) -> None:
     for step in range(config["steps"]):
         if step == config.get("pause_at") and rank == 0:
             (out_dir / "reached").write_text(str(step))
-            deadline = time.monotonic() + _KILL_WAIT_S
-            while not (out_dir / "killed").exists():
-                assert time.monotonic() < deadline, "the driver did not kill a shard"
-                time.sleep(0.05)
+            wait_until(lambda: (out_dir / "killed").exists(), "the driver's kill of a shard", _KILL_WAIT_S)
         batch = slice(step * 16 % len(inputs), step * 16 % len(inputs) + 16)
         loss = nn.functional.mse_loss(model(inputs[batch]), targets[batch])
         loss.backward()

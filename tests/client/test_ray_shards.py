@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from dependencies import require_module
+from waiting import wait_until
 
 from gradq.server.app import ServerOptions
 from gradq.server.policy import RoundPolicy
@@ -66,11 +66,10 @@ def test_a_shard_ray_restarts_after_sigkill_lets_training_finish_with_the_right_
     killed: list[int] = []
 
     def kill_a_shard_midway() -> None:
-        deadline = time.monotonic() + 600
-        while not (kill_dir / "reached").exists():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: (kill_dir / "reached").exists(), f"worker 0 paused before step {PAUSE_AT}", 600)
+        except AssertionError:
+            return  # the run ended first: fit() raises, or the assert on ``killed`` below names it
         os.kill(before[0], signal.SIGKILL)  # the actor's own process, as a crash or the OOM killer would
         killed.append(before[0])
         (kill_dir / "killed").write_text("")
