@@ -268,6 +268,28 @@ class _WindowSampler:
         return {"peak_pushes": self.peak_pushes, "peak_bytes": self.peak_bytes, "connections": self.connections}
 
 
+def _link_drops(topology: netns.Topology) -> tuple[int, int]:
+    """(frames tbf dropped, frames the devices dropped) on every host link, both ends, so far.
+
+    A TAP device drops what its delay line did not read in time (its queue is full); tbf drops what
+    overflows its own queue (rate x latency): where a round's losses happened, in numbers.
+    """
+    shaped = device = 0
+    for host in topology.hosts:
+        for namespace, name in ((host.namespace, host.device), (netns.SWITCH, host.port)):
+            tc = subprocess.run(
+                ["tc", "-s", "-j", "-n", namespace, "qdisc", "show", "dev", name], capture_output=True, text=True
+            )
+            shaped += sum(qdisc.get("drops", 0) for qdisc in json.loads(tc.stdout or "[]"))
+            link = subprocess.run(
+                ["ip", "-s", "-j", "-n", namespace, "link", "show", "dev", name], capture_output=True, text=True
+            )
+            for entry in json.loads(link.stdout or "[]"):
+                statistics = entry.get("stats64", {})
+                device += statistics.get("tx", {}).get("dropped", 0) + statistics.get("rx", {}).get("dropped", 0)
+    return shaped, device
+
+
 class RowFailedError(RuntimeError):
     """A pusher of one row exited with an error: the row is reported as failed and the run goes on."""
 
@@ -287,6 +309,7 @@ class PushRow:
     tcp_fresh_s: dict[int, float]  # streams -> seconds for payload_bytes on fresh connections
     tcp_steady: dict[int, float]  # streams -> steady MB/s
     windows: list[dict[str, int | None]]  # the first host's timed rounds: peak pushes and bytes in flight, connections
+    drops: tuple[int, int]  # frames dropped on the links during the row's rounds: by tbf, by the devices
 
 
 def _start_server(
@@ -331,6 +354,7 @@ def _push_row(
     out = work / f"{rtt:g}ms-{label}-{tree[0] or 'default'}-{time.monotonic_ns()}"
     out.mkdir()
     environment = _environment(tree[1])
+    drops_before = _link_drops(topology)
     server = _start_server(topology, out, args.hosts, environment)
     pushers = []
     try:
@@ -362,6 +386,7 @@ def _push_row(
             if process.poll() is None:
                 process.terminate()
                 process.wait(timeout=15)
+    drops_after = _link_drops(topology)
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(args.hosts)]
     payload = results[0]["payload"]
     ends = _ends(topology, TCP_PORT)
@@ -386,6 +411,7 @@ def _push_row(
             {name: entry.get(name) for name in ("peak_pushes", "peak_bytes", "connections")}
             for entry in results[0]["rounds"][1:]
         ],
+        (drops_after[0] - drops_before[0], drops_after[1] - drops_before[1]),
     )
 
 
@@ -428,13 +454,13 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         "",
         "| round trip | rate | gradq | payload per host | chunks, count floor | "
         "host 0's rounds: peak in flight, connections | "
-        "gradq s (min-max) | last round s | gradq MB/s per host | "
+        "frames dropped: tbf, devices | gradq s (min-max) | last round s | gradq MB/s per host | "
         "of link rate | bound s | gradq / bound | "
         + " | ".join(f"raw TCP {count} fresh s" for count in args.streams)
         + " | "
         + " | ".join(f"raw TCP {count} steady MB/s" for count in args.streams)
         + " |",
-        "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
+        "|---:|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(args.streams)),
     ]
     for row in rows:
         times = sorted(seconds for host in row.host_seconds for seconds in host)
@@ -451,7 +477,8 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         lines.append(
             f"| {row.rtt_ms:g} ms | {row.rate} | {row.tree or 'this tree'} | "
             f"{row.payload_bytes / 1e6:.1f} MB | {row.chunks}, "
-            f"{row.in_flight} per shard | {_windows(row.windows)} | {median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | "
+            f"{row.in_flight} per shard | {_windows(row.windows)} | {row.drops[0]}, {row.drops[1]} | "
+            f"{median:.2f} ({times[0]:.2f}-{times[-1]:.2f}) | "
             f"{max(host[-1] for host in row.host_seconds):.2f} | "
             f"{row.payload_bytes / median / 1e6:.1f} | {versus} | {fresh} | {steady} |"
         )
