@@ -54,11 +54,24 @@ class AggregationError(RuntimeError):
         self.details = details
         self.refusal = refusal
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray and multiprocessing carry errors between processes by pickling them; the subclasses' constructors take
+        # other arguments, so the copy is rebuilt from its fields instead of through __init__.
+        return (_rebuild_error, (type(self), self.args, self.__dict__))
+
     @classmethod
     def of_call(cls, address: str, error: Any, context: str = "") -> AggregationError:
         """The error of a failed call (a ``grpc.RpcError``, or a push's reply), its refusal read off it."""
         details = error.details() or ""
         return cls(address, error.code(), f"{context}: {details}" if context else details, refusal_of(error))
+
+
+def _rebuild_error(kind: type[AggregationError], args: tuple[Any, ...], fields: dict[str, Any]) -> AggregationError:
+    """An ``AggregationError`` (or subclass) unpickled: its message and fields as they were."""
+    error = kind.__new__(kind)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 def refusal_of(call: Any) -> str:

@@ -34,10 +34,11 @@ def serve_flags() -> dict[str, str]:
     """Variable -> flag, as `gradq serve --help` gives them (each help ends ``[env GRADQ_X]``)."""
     flags = {}
     for action in build_parser()._actions:
-        found = re.search(r"\[env (GRADQ_[A-Z_]+)\]$", action.help or "")
+        help_text = action.help or ""
+        found = re.search(r"\[env (GRADQ_[A-Z_]+)\]$", help_text)
         if found:
             flags[found[1]] = action.option_strings[0]
-            assert action.help.startswith(SERVE_ENVIRONMENT[found[1]]), action.help
+            assert help_text.startswith(SERVE_ENVIRONMENT[found[1]]), help_text
     return flags
 
 
