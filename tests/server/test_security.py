@@ -102,9 +102,15 @@ def test_tls_round_works_and_plaintext_or_untrusted_clients_are_refused(serve: S
     trusted = ChannelSecurity(root_certificates=pki.ca.certificate)
     for result in exact_mean(address, [trusted, trusted]):
         np.testing.assert_array_equal(result, np.arange(6, dtype=np.float32) * 1.5)
-    for outsider in (ChannelSecurity(), ChannelSecurity(root_certificates=pki.stranger_ca.certificate)):
-        with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
-            WorkerClient(address, "other", 0, 1, timeout_s=1, security=outsider).join()
+    # A plaintext client is told what the aggregator speaks; an untrusted CA gets no answer it could trust.
+    plaintext = ChannelSecurity()
+    with pytest.raises(
+        AggregationError, match=r"FAILED_PRECONDITION: the aggregator at \S+ speaks TLS; set GRADQ_TLS_CA"
+    ):
+        WorkerClient(address, "other", 0, 1, timeout_s=1, security=plaintext).join()
+    untrusted = ChannelSecurity(root_certificates=pki.stranger_ca.certificate)
+    with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED"):
+        WorkerClient(address, "other", 0, 1, timeout_s=1, security=untrusted).join()
 
 
 def test_mutual_tls_requires_a_client_certificate_from_the_configured_ca(serve: Serve, pki: Pki) -> None:
