@@ -32,9 +32,16 @@ def shards(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
     log = tmp_path / "shard0.log"
     with log.open("wb") as first_log:
         processes: list[subprocess.Popen[bytes]] = [
-            spawn_aggregator("--log-level", "INFO", port=port, stderr=first_log if index == 0 else subprocess.DEVNULL)[
-                0
-            ]
+            # The odd host's first round waits for three right hosts to start torch on a loaded machine: a round
+            # deadline past that start, so the odd host meets the vote and not the deadline.
+            spawn_aggregator(
+                "--log-level",
+                "INFO",
+                "--round-timeout",
+                "120",
+                port=port,
+                stderr=first_log if index == 0 else subprocess.DEVNULL,
+            )[0]
             for index, port in enumerate(ports)
         ]
     yield ",".join(f"127.0.0.1:{port}" for port in ports), log
