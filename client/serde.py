@@ -85,7 +85,7 @@ def join_request(
     training when it last heard (``training_members``; 0: unknown).
     """
     if isinstance(spec, int):
-        spec = JobSpec(spec)
+        spec = JobSpec(world_size=spec)
     outer, semi_sync = spec.outer_step, spec.semi_sync
     return pb.JoinRequest(
         job_id=job_id,

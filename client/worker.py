@@ -200,7 +200,15 @@ class WorkerClient:
         # Who this member is on each shard (joins, watches, rejoins, state transfer): what every Join says of
         # the job is one value, checked by the aggregator against the job's.
         spec = serde.JobSpec(
-            world_size, ranks, elastic, job_ranks or 0, max_members, model_signature, outer_step, semi_sync, weighted
+            world_size=world_size,
+            ranks=ranks,
+            elastic=elastic,
+            job_ranks=job_ranks or 0,
+            max_members=max_members,
+            model_signature=model_signature,
+            outer_step=outer_step,
+            semi_sync=semi_sync,
+            weighted=weighted,
         )
         self.membership = ShardMembership(
             job_id,

@@ -27,6 +27,7 @@ from gradq.client.ddp.checkpoint import checkpoint_of, read_checkpoint
 from gradq.client.elastic import JobWorld
 from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS
 from gradq.client.security import ChannelSecurity
+from gradq.client.sending import AggregationError
 from gradq.client.session import GradqSession
 from gradq.client.session.elastic import check_shareable, model_signature
 from gradq.client.session.host_groups import HostGroup
@@ -76,7 +77,7 @@ class GradqHookState:
         "_closed",  # close() was called: a later bucket is an error, not a silent rejoin
         "_config",  # the frozen configuration; replaced only by load_state_dict before connecting
         "_loaded",  # residuals from load_state_dict, handed to the session when it connects
-        "_rejoin",  # elastic: this host was dropped during the step; it rejoins after the optimizer's step
+        "_rejoin",  # elastic: the drop found during the step (None: none); it rejoins after the optimizer's step
         "_session",  # the connected session (None before the first bucket); left out of the pickled form
         "_shared",  # elastic: the objects (model, optimizer, ...) whose state a joiner receives
         "_summary",  # steps, rejoins, bytes of this run: logged once at its end (training_log)
@@ -134,7 +135,7 @@ class GradqHookState:
         self._loaded = ParameterResiduals(None, config.codec)
         self._shared: list[Any] = []
         self._closed = False
-        self._rejoin = False
+        self._rejoin: AggregationError | None = None
         self._summary = TrainingSummary(self, "DDP hook")
 
     @classmethod
@@ -332,31 +333,31 @@ class GradqHookState:
         shares_optimizer = any(isinstance(item, torch.optim.Optimizer) for item in self._shared)
         if not (self._config.elastic_hosts and shares_optimizer and dropped_from_job(error)):
             return False
-        if not self._rejoin:
+        assert isinstance(error, AggregationError)  # dropped_from_job says so
+        if self._rejoin is None:
             log.warning(
                 "this host was dropped from its elastic job (%s); it rejoins after this step and takes the "
                 "training state from a live host",
                 error,
             )
-        self._rejoin = True
+            self._rejoin = error
         return True
 
     def _after_optimizer_step(self, *_: Any) -> None:
-        if self._rejoin and not self._closed:
-            self._rejoin = False
-            self._rejoin_job()
+        if self._rejoin is not None and not self._closed:
+            error, self._rejoin = self._rejoin, None
+            self._rejoin_job(error)
 
-    def _rejoin_job(self) -> None:
-        """Join again as a joiner and take the state from a live host; the loop goes on from its step.
+    def _rejoin_job(self, error: AggregationError) -> None:
+        """The member joins again as a joiner and takes the state from a live host; the loop goes on from its step.
 
         Collective over the host's ranks (they all found the host dropped in the same step).
         """
-        assert self._session is not None
-        self._session.close()
-        self._session = None
-        session = self._connected()
+        dropped, self._session = self._session, None  # a failed rejoin leaves it to connect at the next bucket
+        assert dropped is not None
+        session = self._session = dropped.member.rejoin(error)
+        self._summary.attach(session.events)
         self.step = session.member.receive(self._shared, self.step)
-        self._summary.rejoins += 1
         log.warning(
             "rejoined job %s as member %s at step %d (rejoins so far: %d)",
             session.job_id,
@@ -408,9 +409,10 @@ class GradqHookState:
             raise RuntimeError("GradqHookState is closed; register a new state to train through gradq again")
         if self._session is None:
             signature = model_signature(self._shared) if self._config.elastic_hosts else ""
-            session = GradqSession.connect(self._config, self.process_group, model_signature=signature)
+            session = GradqSession.connect(
+                self._config, self.process_group, model_signature=signature, on_drop=self._absorb
+            )
             session.residuals.load_state_dict(self._loaded.state_dict())
-            session.failures.absorb = self._absorb
             self._summary.attach(session.events)
             self._session, self._loaded = session, ParameterResiduals(None, self._config.codec)
         return self._session

@@ -45,13 +45,18 @@ def connect(diloco: DiLoCo) -> GradqSession:
         semi_sync=options.semi_sync,
         weighted=options.token_weighted,
     )
+    _refuse_fallback(session)
+    diloco.summary.attach(session.events)
+    return session
+
+
+def _refuse_fallback(session: GradqSession) -> None:
     if session.mode != "gradq":
+        session.close()
         raise RuntimeError(
             f"DiLoCo cannot fall back ({session.mode!r}): its hosts have no common process group "
             f"across the link; start the aggregator, or set fallback='error' to be told at once"
         )
-    diloco.summary.attach(session.events)
-    return session
 
 
 def _host_of_shards(diloco: DiLoCo) -> HostGroup:
@@ -140,24 +145,19 @@ def catch_up(diloco: DiLoCo, session: GradqSession, state: GlobalState, error: A
 
 
 def rejoin(diloco: DiLoCo, session: GradqSession, error: AggregationError) -> GradqSession:
-    """This host was dropped (it fell silent past the keepalive): join again as a joiner, take the state.
+    """This host was dropped (it fell silent past the keepalive): the member joins again, the host takes the state.
 
     Its local steps of the round it missed are dropped with it: it continues
     from the global state, never from its own. Returns the new session.
     """
-    log.warning(
-        "this host was dropped from job %s (%s); rejoining as a joiner, it takes the global state",
-        session.job_id,
-        error.details,
-    )
-    session.close()
-    session = connect(diloco)
+    session = session.member.rejoin(error)
+    _refuse_fallback(session)
+    diloco.summary.attach(session.events)
     enter(diloco, session)
-    diloco.summary.rejoins += 1
     log.warning(
         "rejoined job %s at outer round %d (rejoins so far: %d)",
         session.job_id,
         diloco.outer_round,
-        diloco.summary.rejoins,
+        session.member.rejoins,
     )
     return session

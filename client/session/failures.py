@@ -31,10 +31,10 @@ class BackwardFailures:
 
     __slots__ = ("_errors", "_graph_task", "_lock", "_pending", "absorb")
 
-    def __init__(self) -> None:
+    def __init__(self, absorb: Callable[[BaseException], bool] | None = None) -> None:
         # Says whether a failure is handled by its adapter instead of raised (an elastic host that was
         # dropped rejoins after the optimizer's step); None: every failure is raised.
-        self.absorb: Callable[[BaseException], bool] | None = None
+        self.absorb = absorb
         self._lock = threading.Lock()  # futures complete on gRPC threads
         self._pending: list[torch.futures.Future[torch.Tensor]] = []  # this pass's futures, as DDP sees them
         self._errors: list[BaseException] = []  # failures of this pass, in completion order

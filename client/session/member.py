@@ -1,12 +1,13 @@
-"""ElasticMember: this host's membership of an elastic job, the one place the adapters ask about it.
+"""Member: this host's membership of an elastic job, the one place a training loop asks about it.
 
 The session owns it. It says whether the host joined as a newcomer (and must
 take the state first), takes the state (from a donor host, or the
 aggregator's copy of a DiLoCo job's global state), serves joiners at a step
-boundary, checks and seeds the aggregator's copy, and tells a refusal that
-means "dropped from the job" from any other. The DDP hook, FSDP2 and DiLoCo
-call these and never reach past the session to its worker client; a drop is
-answered by connecting the session again (a new Join, as a newcomer).
+boundary, checks and seeds the aggregator's copy, tells a refusal that means
+"dropped from the job" from any other, and answers a drop with ``rejoin``:
+the session joins again on the same terms (a new Join, as a newcomer) and
+the member counts it. The DDP hook, FSDP2, DiLoCo and a loop of the user's
+own call these and never reach past the session to its worker client.
 
 Collective methods run over the session's group: a host of several ranks
 joins, fetches and sends through its first rank, and the others take what it got.
@@ -30,7 +31,7 @@ from gradq.client.session.elastic import training_state
 if TYPE_CHECKING:
     from gradq.client.session.session import GradqSession
 
-__all__ = ["ElasticMember", "dropped_from_job"]
+__all__ = ["ElasticMember", "Member", "dropped_from_job"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def dropped_from_job(error: BaseException) -> bool:
     return isinstance(error, AggregationError) and error.refusal in _DROPPED_REFUSALS
 
 
-class ElasticMember:
-    """This host's place in its job, as the session's adapters see it (see the module docstring).
+class Member:
+    """This host's place in its job, as the session's training loops see it (see the module docstring).
 
     Args:
         session: the connected session whose worker client joined the job (None under a fallback).
@@ -61,6 +62,34 @@ class ElasticMember:
     def __init__(self, session: GradqSession) -> None:
         self._session = session
         self.served_step = -1  # the step whose boundary this member last served joiners at
+
+    @property
+    def rejoins(self) -> int:
+        """Times this host was dropped (silent past the keepalive) and joined again, over the sessions of its run."""
+        return self._session.events.rejoins
+
+    def rejoin(self, error: AggregationError) -> GradqSession:
+        """This host was dropped (``dropped_from_job(error)``): close the session and join again as a newcomer.
+
+        The new session joins on the same terms (gradq.client.session.session.ConnectTerms) and counts one
+        more rejoin. The caller then takes the state before it trains on (``receive``, or a DiLoCo job's
+        global state): its own steps of the round it missed are dropped with it. Collective over the group.
+
+        Returns:
+            The new session; this one is closed.
+
+        Raises:
+            AggregationError: the new Join was refused or found no aggregator.
+        """
+        session = self._session
+        log.warning(
+            "this host was dropped from job %s (%s); rejoining as a joiner, it takes the training state",
+            session.job_id,
+            error.details,
+        )
+        rejoined = session.reconnect()
+        rejoined.events.rejoins = self.rejoins + 1
+        return rejoined
 
     @property
     def rank(self) -> int | None:
@@ -213,3 +242,6 @@ class ElasticMember:
         """The first shard's address, for messages."""
         client = self._session.client
         return client.addresses[0] if client is not None else ",".join(self._session.config.addresses)
+
+
+ElasticMember = Member  # the name it had before it answered drops; kept for code that imports it

@@ -20,8 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from gradq.client.session.bit_plans import BitPlans
 from gradq.client.session.failures import BackwardFailures
 from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
 from gradq.client.session.lifecycle import Membership, draw_run_names
-from gradq.client.session.member import ElasticMember
+from gradq.client.session.member import Member
 from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.session.training_log import SessionEvents, show_gradq_logs
 from gradq.client.stats import ClientStats
@@ -53,6 +53,19 @@ _JOINED, _UNREACHABLE, _REFUSED = 0, 1, 2
 _REFUSALS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "UNAUTHENTICATED"})
 
 
+@dataclass(frozen=True)
+class ConnectTerms:
+    """What ``GradqSession.connect`` was given besides the configuration (its docstring says what each is)."""
+
+    group: dist.ProcessGroup | None
+    host: HostGroup | None = None
+    model_signature: str = ""
+    outer_step: OuterStep | None = None
+    semi_sync: tuple[int, float] | None = None
+    weighted: bool = False
+    on_drop: Callable[[BaseException], bool] | None = None
+
+
 class GradqSession:
     """A connected training loop (see the module docstring); make one with ``GradqSession.connect``."""
 
@@ -62,6 +75,7 @@ class GradqSession:
         "_gather_pool",  # one thread that gathers mean pieces inside the host, in call order
         "_membership",  # leaves the job once, at close / collection / exit
         "_sender_pool",  # one thread that encodes and sends off the caller's thread
+        "_terms",  # what connect() was given besides the configuration: a rejoin connects on the same terms
         "client",  # the joined WorkerClient (None under a fallback)
         "config",  # the frozen configuration this session was connected with
         "events",  # what the user is told: connected, hosts lost and joined, failed rounds (training_log)
@@ -85,13 +99,15 @@ class GradqSession:
         host: HostGroup,
         client: WorkerClient | None,
         mode: str,
+        terms: ConnectTerms | None = None,
     ) -> None:
         self.config, self.group, self.job_id, self.incarnation = config, group, job_id, incarnation
         self.host, self.client, self.mode = host, client, mode
-        self.failures = BackwardFailures()
+        self._terms = terms or ConnectTerms(group)
+        self.failures = BackwardFailures(self._terms.on_drop)
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
-        self.member = ElasticMember(self)
+        self.member = Member(self)
         self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0, mode)
         self._closed = False
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -108,6 +124,7 @@ class GradqSession:
         outer_step: OuterStep | None = None,
         semi_sync: tuple[int, float] | None = None,
         weighted: bool = False,
+        on_drop: Callable[[BaseException], bool] | None = None,
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
 
@@ -127,6 +144,9 @@ class GradqSession:
         state (gradq.client.diloco); None: it only averages. ``semi_sync``
         (quorum, grace seconds) makes the job's rounds semi-synchronous.
         ``weighted``: every ``reduce`` gives a weight, and the means are weighted by them.
+        ``on_drop``: says whether a bucket failure of a backward pass is the
+        adapter's to handle (an elastic host dropped from the job rejoins after
+        its optimizer's step, ``member.rejoin``) instead of being raised.
 
         Raises:
             AggregationError: the aggregator refused a Join (a configuration to
@@ -136,6 +156,7 @@ class GradqSession:
             RuntimeError: a launcher started several ranks, but torch.distributed is not initialized.
         """
         show_gradq_logs()
+        terms = ConnectTerms(group, host, model_signature, outer_step, semi_sync, weighted, on_drop)
         group = _loop_group(group)
         job_id, incarnation = draw_run_names(group, config.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
@@ -187,7 +208,7 @@ class GradqSession:
         if agreed.item() == _JOINED and client is not None:
             if config.elastic_hosts:  # the member id the aggregator assigned, and the run joined
                 host, incarnation = replace(host, host=client.rank), client.incarnation
-            session = cls(config, group, job_id, incarnation, host, client, "gradq")
+            session = cls(config, group, job_id, incarnation, host, client, "gradq", terms)
             session.events.connected(config, host)
             return session
         if client is not None:
@@ -214,7 +235,28 @@ class GradqSession:
         log.warning(
             "aggregator unreachable (%s); falling back to %s: training goes on without gradq", where, config.fallback
         )
-        return cls(config, group, job_id, incarnation, host, None, config.fallback)
+        return cls(config, group, job_id, incarnation, host, None, config.fallback, terms)
+
+    def reconnect(self) -> GradqSession:
+        """Close this session and join the job again on the same terms: a new Join, as a newcomer.
+
+        What ``member.rejoin`` does for a host the aggregator dropped; collective over the group, as ``connect``.
+
+        Raises:
+            AggregationError: as ``connect``.
+        """
+        self.close()
+        terms = self._terms
+        return type(self).connect(
+            self.config,
+            terms.group,
+            terms.host,
+            terms.model_signature,
+            terms.outer_step,
+            terms.semi_sync,
+            terms.weighted,
+            terms.on_drop,
+        )
 
     def reduce(
         self,

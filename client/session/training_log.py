@@ -80,11 +80,12 @@ class SessionEvents:
         mode: "gradq", or the fallback the session's ranks took.
     """
 
-    __slots__ = ("_lock", "_members", "client", "failed_rounds", "job_id", "mode", "speaks")
+    __slots__ = ("_lock", "_members", "client", "failed_rounds", "job_id", "mode", "rejoins", "speaks")
 
     def __init__(self, job_id: str, client: WorkerClient | None, speaks: bool, mode: str = "gradq") -> None:
         self.job_id, self.client, self.speaks, self.mode = job_id, client, speaks, mode
         self.failed_rounds = 0  # rounds whose future failed (the error itself goes to the loop)
+        self.rejoins = 0  # the member's rejoins before and by this session (gradq.client.session.member)
         self._members: frozenset[int] | None = None  # the job's members at the last look
         self._lock = threading.Lock()  # futures fail on gRPC threads
 
@@ -157,9 +158,10 @@ class TrainingSummary:
         self._finalizer = weakref.finalize(owner, self._log)
 
     def attach(self, events: SessionEvents) -> None:
-        """A session the adapter connected: its figures count from now on."""
+        """A session the adapter connected: its figures count from now on, and its member's rejoins."""
         with self._lock:
             self._sessions.append(events)
+            self.rejoins = max(self.rejoins, events.rejoins)
 
     def close(self) -> None:
         """The run ended: log the summary now (once; later calls do nothing)."""
