@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 import numpy as np
 import torch
@@ -29,9 +29,12 @@ from gradq.client.sending import AggregationError
 from gradq.client.session.elastic import training_state
 
 if TYPE_CHECKING:
-    from gradq.client.session.session import GradqSession
+    from gradq.client.config import GradqConfig
+    from gradq.client.session.host_groups import HostGroup
+    from gradq.client.session.training_log import SessionEvents
+    from gradq.client.worker import WorkerClient
 
-__all__ = ["ElasticMember", "Member", "dropped_from_job"]
+__all__ = ["ElasticMember", "Member", "SessionView", "dropped_from_job"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,31 @@ def dropped_from_job(error: BaseException) -> bool:
     return isinstance(error, AggregationError) and error.refusal in _DROPPED_REFUSALS
 
 
-class Member:
+class SessionView(Protocol):
+    """What a member reads of the session that owns it (gradq.client.session.session.GradqSession).
+
+    Named here, not imported, so the session imports its member and never the reverse.
+    """
+
+    @property
+    def client(self) -> WorkerClient | None: ...
+    @property
+    def config(self) -> GradqConfig: ...
+    @property
+    def events(self) -> SessionEvents: ...
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def host(self) -> HostGroup: ...
+    @property
+    def job_id(self) -> str: ...
+    def reconnect(self) -> Self: ...
+
+
+S = TypeVar("S", bound=SessionView)
+
+
+class Member(Generic[S]):
     """This host's place in its job, as the session's training loops see it (see the module docstring).
 
     Args:
@@ -59,7 +86,7 @@ class Member:
 
     __slots__ = ("_session", "served_step")
 
-    def __init__(self, session: GradqSession) -> None:
+    def __init__(self, session: S) -> None:
         self._session = session
         self.served_step = -1  # the step whose boundary this member last served joiners at
 
@@ -68,7 +95,7 @@ class Member:
         """Times this host was dropped (silent past the keepalive) and joined again, over the sessions of its run."""
         return self._session.events.rejoins
 
-    def rejoin(self, error: AggregationError) -> GradqSession:
+    def rejoin(self, error: AggregationError) -> S:
         """This host was dropped (``dropped_from_job(error)``): close the session and join again as a newcomer.
 
         The new session joins on the same terms (gradq.client.session.session.ConnectTerms) and counts one

@@ -107,7 +107,7 @@ class GradqSession:
         self.failures = BackwardFailures(self._terms.on_drop)
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
-        self.member = Member(self)
+        self.member: Member[GradqSession] = Member(self)
         self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0, mode)
         self._closed = False
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
