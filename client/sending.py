@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,7 +121,7 @@ class UnaryPushes:
         """Nothing to end: the channel's close ends the calls."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class PendingPush:
     """A push in flight: everything a retry needs to resend it unchanged."""
 
@@ -213,11 +214,17 @@ class ShardSender:
         while queue:
             pending = queue.popleft()
             if self._transmit(pending):
-                pending.result.add_done_callback(functools.partial(self._pass_slot, pending))
+                # A weak reference: the push holding its own future's callback would be a cycle that keeps every
+                # settled request (and its mean) alive until the cyclic collector runs. The future's callbacks run
+                # inside set_result, while whoever settles the push still holds it.
+                pending.result.add_done_callback(functools.partial(self._pass_slot, weakref.ref(pending)))
             else:
                 queue.extend(self.window.release(pending.shard, pending, len(pending.request), answered=False))
 
-    def _pass_slot(self, pending: PendingPush, settled: concurrent.futures.Future[Any]) -> None:
+    def _pass_slot(self, held: weakref.ref[PendingPush], settled: concurrent.futures.Future[Any]) -> None:
+        pending = held()
+        if pending is None:  # settled by no one holding it: nothing is left to measure or hand on
+            return
         # Answered at the first attempt: a round trip the window measures; after a retry: counted only.
         answered: bool | None = False if settled.exception() is not None else (pending.attempt == 0 or None)
         self.start(self.window.release(pending.shard, pending, len(pending.request), answered=answered))
