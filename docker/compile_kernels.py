@@ -29,6 +29,8 @@ from gradq.qcore import (
     observer_for,
     relative_error,
 )
+from gradq.qcore.codecs import codec_for
+from gradq.qcore.codecs.uniform import UniformCodec
 
 
 def compile_scheme(scheme: Scheme, rounding: Rounding) -> None:
@@ -44,7 +46,7 @@ def compile_scheme(scheme: Scheme, rounding: Rounding) -> None:
         decode_accumulate(q, accumulator)
         decode_accumulate(q, accumulator, divide_by=2)
         relative_error(q, values)  # the aggregator's gradq_mean_relative_error, every round
-    if scheme.is_quantized and scheme is not Scheme.PER_CHANNEL_SIGN:  # the grids an observer sets
+    if isinstance(codec_for(scheme), UniformCodec):  # the grids an observer sets
         observer = observer_for(config)
         observer.observe(values)
         encode(values, config, qparams=observer.calculate_qparams())

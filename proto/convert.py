@@ -46,6 +46,7 @@ def tensor_header(q: QuantizedArray) -> pb.QuantizedTensor:
         scale=q.scale.astype("<f4", copy=False).tobytes(),
         zero_point=q.zero_point.astype("<i4", copy=False).tobytes(),
         dtype=q.dtype,
+        topk=q.topk,
     )
 
 
@@ -126,6 +127,7 @@ def tensor_from_proto(
         message.zero_point,
         message.payload if payload is None else payload,
         message.dtype,
+        message.topk,
     )
     if message.dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{field}.dtype={message.dtype!r} is not supported; expected one of {sorted(ALLOWED_DTYPES)}")

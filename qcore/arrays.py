@@ -74,13 +74,14 @@ class NumpyArrays:
     Args:
         config: the wire grid.
         error_feedback: keep a residual per key.
+        decay: the residuals' decay (see ``gradq.qcore.ErrorFeedback``).
     """
 
     library = "numpy"
 
-    def __init__(self, config: QuantConfig, error_feedback: bool) -> None:
+    def __init__(self, config: QuantConfig, error_feedback: bool, decay: float = 1.0) -> None:
         self.config = config
-        self.error_feedback = ErrorFeedback() if error_feedback else None
+        self.error_feedback = ErrorFeedback(decay) if error_feedback else None
 
     def flatten(self, values: Any) -> np.ndarray:
         """``values`` as a flat array (a view when it can be)."""
@@ -131,21 +132,22 @@ def library_of(values: Any) -> str:
     return "torch" if torch is not None and isinstance(values, torch.Tensor) else "numpy"
 
 
-def new_arrays(library: str, config: QuantConfig, error_feedback: bool) -> ArrayCodec:
+def new_arrays(library: str, config: QuantConfig, error_feedback: bool, decay: float = 1.0) -> ArrayCodec:
     """A fresh ArrayCodec of ``library`` (see ``ARRAY_LIBRARIES``).
 
     Args:
         library: "numpy" or "torch" (imports torch).
         config: the wire grid.
         error_feedback: keep a residual per key.
+        decay: the residuals' decay (see ``gradq.qcore.ErrorFeedback``).
 
     Raises:
         ValueError: an unknown library.
     """
     if library == "numpy":
-        return NumpyArrays(config, error_feedback)
+        return NumpyArrays(config, error_feedback, decay)
     if library == "torch":
         from gradq.qcore.torch_codec import TorchArrays
 
-        return TorchArrays(config, error_feedback)
+        return TorchArrays(config, error_feedback, decay)
     raise ValueError(f"library={library!r} is not an array library; expected one of {', '.join(ARRAY_LIBRARIES)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def decode_times(q: QuantizedArray, out: np.ndarray, factor: float, *, accumulat
     """``out (+)= factor * decode(q)``, then divide by ``divide_by``: a contribution to a weighted mean.
 
     On a scaled grid the factor folds into the per-channel scales (a copy of
-    ``num_channels`` floats), so the pass over the payload is the unweighted
+    ``num_channels`` floats; the sparse scheme's lookup), so the pass over the payload is the unweighted
     decode's; the float pass-through schemes, which carry no scale, decode
     into a temporary array and multiply it.
 
@@ -104,17 +105,7 @@ def decode_times(q: QuantizedArray, out: np.ndarray, factor: float, *, accumulat
         _dequantize(q, out, accumulate, divide_by)
         return
     if q.scale.size:
-        scaled = QuantizedArray(
-            q.scheme,
-            q.bits,
-            q.numel,
-            q.channel_size,
-            q.scale * np.float32(factor),
-            q.zero_point,
-            q.payload,
-            q.dtype,
-        )
-        _dequantize(scaled, out, accumulate, divide_by)
+        _dequantize(replace(q, scale=q.scale * np.float32(factor)), out, accumulate, divide_by)
         return
     _check_out("out", out, q.numel)
     values = decode(q)

@@ -10,21 +10,41 @@ from gradq.qcore.codecs import codec_for
 from gradq.qcore.quantized import QuantizedArray
 from gradq.qcore.scheme import QuantConfig
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "check_decay"]
+
+
+def check_decay(decay: float) -> float:
+    """``decay`` as a float if it is in (0, 1].
+
+    Raises:
+        ValueError: naming the value and the range.
+    """
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+        raise ValueError(f"error_feedback_decay={decay!r} is invalid; expected a number in (0, 1] (1: no decay)")
+    return float(decay)
 
 
 class ErrorFeedback:
-    """A residual per key: sends ``encode(x + e)`` and keeps ``e <- (x + e) - decode(...)``.
+    """A residual per key: sends ``encode(x + decay * e)`` and keeps ``e <- (x + decay * e) - decode(...)``.
 
     Over many steps nothing is lost, only delayed, which is what lets 2- and
     4-bit gradients converge. A key whose size changes starts from zero again
     (DDP rebuilds its buckets after the first iteration), and so does one
     whose values could not be encoded (NaN/Inf: its step is not applied).
+
+    Args:
+        decay: what the residual keeps of itself before it is added, in (0, 1]:
+            1 loses nothing; SparseLoCo's 0.95 lets old pseudo-gradients fade
+            (the decayed residual then stands in for an outer momentum).
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1].
     """
 
-    __slots__ = ("_residuals",)
+    __slots__ = ("_residuals", "decay")
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = check_decay(decay)
         self._residuals: dict[Hashable, np.ndarray] = {}
 
     def encode(
@@ -45,6 +65,8 @@ class ErrorFeedback:
         residual = self._residuals.pop(key, None)
         if residual is None or residual.size != flat.size:
             residual = np.zeros_like(flat)
+        elif self.decay != 1.0:
+            np.multiply(residual, np.float32(self.decay), out=residual)
         # Popped while it is overwritten: a bucket refused for NaN/Inf (its step is not applied) leaves no residual.
         encoded = codec_for(config.scheme).encode_compensated(flat, residual, config, rng, str(np.asarray(x).dtype))
         self._residuals[key] = residual

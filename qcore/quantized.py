@@ -32,6 +32,7 @@ class QuantizedArray:
         zero_point: int32, one per channel, each in ``0..2**bits-1`` (empty for the scaled sign, which has none).
         payload: uint8 bytes, ``ceil(numel * bits / 8)`` of them.
         dtype: the sender's element type, so the receiver can cast back.
+        topk: the most entries a chunk keeps, for the sparse scheme; 0 for every other.
     """
 
     scheme: Scheme
@@ -42,6 +43,7 @@ class QuantizedArray:
     zero_point: np.ndarray
     payload: np.ndarray
     dtype: str = "float32"
+    topk: int = 0
 
     @property
     def num_channels(self) -> int:

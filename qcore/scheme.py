@@ -14,7 +14,7 @@ DEFAULT_CHANNEL_SIZE = 512
 # bench/convergence.py (AdamW), 2-bit + EF went from +1.38% to +0.48% of fp32's
 # held-out loss, for 0.375 more bits per element of qparams.
 LOW_BIT_CHANNEL_SIZE = 128
-_LOW_BITS = 2
+LOW_BITS = 2  # wire bits at or under which LOW_BIT_CHANNEL_SIZE is the default
 
 
 class Scheme(enum.IntEnum):
@@ -27,6 +27,7 @@ class Scheme(enum.IntEnum):
     PER_CHANNEL_AFFINE = 5
     PER_CHANNEL_SYMMETRIC = 6
     PER_CHANNEL_SIGN = 7
+    SPARSE_TOPK = 8
 
     @property
     def is_quantized(self) -> bool:
@@ -89,9 +90,13 @@ class QuantConfig:
         channel_size: elements per channel for the per-channel schemes: a
             channel is a run of consecutive elements of the flat array. 0
             (the default) picks ``DEFAULT_CHANNEL_SIZE`` (512), or
-            ``LOW_BIT_CHANNEL_SIZE`` (128) at 1 and 2 bits.
+            ``LOW_BIT_CHANNEL_SIZE`` (128) at 1 and 2 bits; ``sparse_topk``'s
+            chunk of 4096.
         rounding: ``"nearest"`` or ``"stochastic"``.
         seed: seeds the stochastic-rounding generator; None draws fresh entropy.
+        topk: for ``sparse_topk``, the most entries each chunk (``channel_size``
+            elements) keeps; 0 (the default) picks 64, or the chunk when shorter.
+            Must be 0 for every other scheme.
     """
 
     scheme: Scheme = Scheme.PER_CHANNEL_AFFINE
@@ -99,6 +104,7 @@ class QuantConfig:
     channel_size: int = 0
     rounding: Rounding = Rounding.NEAREST
     seed: int | None = None
+    topk: int = 0
 
     def __post_init__(self) -> None:
         # Accept names so configs can come straight from flags and env vars.
@@ -108,17 +114,20 @@ class QuantConfig:
             raise ValueError(f"bits={self.bits!r} is out of range; expected an integer in 1..8")
         if isinstance(self.channel_size, bool) or not isinstance(self.channel_size, int) or self.channel_size < 0:
             raise ValueError(f"channel_size={self.channel_size!r} is invalid; expected an integer >= 1 (0: default)")
-        if self.channel_size == 0:
-            # Asks the codec: a scaled sign is 1 bit whatever ``bits`` says.
-            from gradq.qcore.codecs import codec_for  # the registry imports this module
-
-            low = codec_for(self.scheme).wire_bits(self) <= _LOW_BITS
-            object.__setattr__(self, "channel_size", LOW_BIT_CHANNEL_SIZE if low else DEFAULT_CHANNEL_SIZE)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed={self.seed!r} is invalid; expected None or an integer >= 0")
         from gradq.qcore.codecs import codec_for  # the registry imports this module
 
-        codec_for(self.scheme).check_config(self)
+        codec = codec_for(self.scheme)
+        if self.channel_size == 0:
+            object.__setattr__(self, "channel_size", codec.default_channel_size(self))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r} is invalid; expected None or an integer >= 0")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 0:
+            raise ValueError(f"topk={self.topk!r} is invalid; expected an integer >= 0 (0: the scheme's default)")
+        if self.topk and not codec.sparse:
+            raise ValueError(f"topk={self.topk} is only for scheme=sparse_topk; expected 0 for scheme={codec.name}")
+        if self.topk == 0:
+            object.__setattr__(self, "topk", codec.default_topk(self))
+        codec.check_config(self)
 
     @property
     def qmax(self) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gradq.qcore.codecs import DeviceEncoding, codec_for
+from gradq.qcore.error_feedback import check_decay
 from gradq.qcore.quantized import QuantizedArray
 from gradq.qcore.scheme import QuantConfig, Scheme
 
@@ -101,6 +102,7 @@ def to_host(encoding: DeviceEncoding, scheme: Scheme, numel: int, dtype: str) ->
         host[scale_end:zero_point_end].view(np.int32),
         host[zero_point_end:],
         dtype,
+        encoding.topk,
     )
 
 
@@ -123,6 +125,7 @@ def to_device(q: QuantizedArray, device: torch.device) -> DeviceEncoding:
         view_bytes(moved[:scale_end], torch.float32),
         view_bytes(moved[scale_end:zero_point_end], torch.int32),
         moved[zero_point_end:],
+        q.topk,
     )
 
 
@@ -176,9 +179,10 @@ class TorchErrorFeedback:
     residuals for the same inputs.
     """
 
-    __slots__ = ("_residuals",)
+    __slots__ = ("_residuals", "decay")
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = check_decay(decay)
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def encode(
@@ -199,6 +203,8 @@ class TorchErrorFeedback:
         # Popped until the encode succeeds: a NaN/Inf bucket leaves no residual, as in the numpy one.
         residual = self._residuals.pop(key, None)
         if residual is not None and residual.numel() == compensated.numel():
+            if self.decay != 1.0:  # two roundings, as numpy's multiply then add
+                residual.mul_(np.float32(self.decay).item())
             compensated += residual
         else:
             residual = torch.empty_like(compensated)
@@ -237,13 +243,14 @@ class TorchArrays:
     Args:
         config: the wire grid.
         error_feedback: keep a residual per key, on the device.
+        decay: the residuals' decay (see ``gradq.qcore.ErrorFeedback``).
     """
 
     library = "torch"
 
-    def __init__(self, config: QuantConfig, error_feedback: bool) -> None:
+    def __init__(self, config: QuantConfig, error_feedback: bool, decay: float = 1.0) -> None:
         self.config = config
-        self.error_feedback = TorchErrorFeedback() if error_feedback else None
+        self.error_feedback = TorchErrorFeedback(decay) if error_feedback else None
 
     def flatten(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` as a flat view."""

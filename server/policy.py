@@ -33,7 +33,8 @@ class RoundPolicy:
         server_error_feedback: carry the re-quantization error of the mean
             into the next round of the same bucket. None (the default) does so
             where the mean goes back on a uniform grid of at most
-            ``AUTO_FEEDBACK_BITS`` bits (not the scaled sign's): re-rounding
+            ``AUTO_FEEDBACK_BITS`` bits (not the scaled sign's), and always
+            where it goes back sparse (sparse_topk): re-rounding
             it the same way every step, with nothing carrying the error,
             biases it (at 2 bits the parameters' sum moved 80x as far as
             with the push leg alone under AdamW: bench/low_bit_bias.py), while at 8 bits a step is 1/255 of the
@@ -85,6 +86,7 @@ class PushedGrid:
     channel_size: int
     numel: int
     dtype: str
+    topk: int = 0  # the sparse scheme's entries per chunk
 
 
 def feeds_back(policy: RoundPolicy, pushed: PushedGrid) -> bool:
@@ -98,9 +100,11 @@ def feeds_back(policy: RoundPolicy, pushed: PushedGrid) -> bool:
         return False
     codec = codec_for(config.scheme)
     # Not the scaled sign by default: its residual holds every magnitude the mean lost, and fed back under
-    # SGD with momentum it grew until the digits MLP diverged (bench/convergence.py, twice).
+    # SGD with momentum it grew until the digits MLP diverged (bench/convergence.py, twice). Always a
+    # re-sparsified mean: without its residual the entries outside the mean's top-k would never reach a host.
     uniform = isinstance(codec, UniformCodec)
-    return bool(policy.server_error_feedback) or (uniform and codec.wire_bits(config) <= AUTO_FEEDBACK_BITS)
+    low_bits = uniform and codec.wire_bits(config) <= AUTO_FEEDBACK_BITS
+    return bool(policy.server_error_feedback) or codec.sparse or low_bits
 
 
 def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:
@@ -108,7 +112,7 @@ def return_config_for(policy: RoundPolicy, pushed: PushedGrid) -> QuantConfig:
 
     A policy's scheme keeps the pushers' channel size (their codec's choice for the mean).
     """
-    own = codec_for(pushed.scheme).mean_config(pushed.bits, pushed.channel_size)
+    own = codec_for(pushed.scheme).mean_config(pushed.bits, pushed.channel_size, pushed.topk)
     if policy.return_scheme is None:
         return own
     return QuantConfig(scheme=policy.return_scheme, bits=policy.return_bits, channel_size=own.channel_size)

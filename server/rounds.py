@@ -540,7 +540,7 @@ class RoundTable:
             )
         charge = 4 * tensor.numel  # the fp32 accumulator
         what = f"round (job={job.job_id!r}, step={step}, bucket={bucket})"
-        grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype)
+        grid = PushedGrid(tensor.scheme, tensor.bits, tensor.channel_size, tensor.numel, tensor.dtype, tensor.topk)
         residual = job.error_feedback.residual(bucket) if feeds_back(self.policy, grid) else None
         if feeds_back(self.policy, grid) and (residual is None or residual.size != tensor.numel):
             # The fp32 residual its mean will leave (--server-error-feedback), held until the job ends:

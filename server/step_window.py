@@ -20,7 +20,7 @@ from gradq.server.jobs import Job
 
 __all__ = ["GRID_ENTRY_BYTES", "check_step", "check_grid", "contribution_digest", "describe_grid"]
 
-# What remembering one bucket's grid holds: its dict slot, key and (scheme, bits, channel size)
+# What remembering one bucket's grid holds: its dict slot, key and (scheme, bits, channel size, topk)
 # tuple, about 200 bytes by sys.getsizeof. Charged to the job's memory budget, so a client that
 # invents bucket keys is refused like one that opens too many rounds, instead of growing the map.
 GRID_ENTRY_BYTES = 256
@@ -57,9 +57,13 @@ def check_step(job: Job, step: int, retain_steps: int, max_steps_ahead: int) -> 
 
 
 def describe_grid(grid: tuple[object, ...]) -> str:
-    """``scheme=..., bits=..., channel_size=...`` for messages."""
-    scheme, bits, channel_size = grid
-    return f"scheme={scheme}, bits={bits}" + (f", channel_size={channel_size}" if channel_size else "")
+    """``scheme=..., bits=..., channel_size=...`` (and ``topk=...`` for a sparse grid) for messages."""
+    scheme, bits, channel_size, topk = grid
+    return (
+        f"scheme={scheme}, bits={bits}"
+        + (f", channel_size={channel_size}" if channel_size else "")
+        + (f", topk={topk}" if topk else "")
+    )
 
 
 def check_grid(job: Job, bucket: int, tensor: QuantizedArray, budget: MemoryBudget) -> None:
@@ -75,7 +79,12 @@ def check_grid(job: Job, bucket: int, tensor: QuantizedArray, budget: MemoryBudg
         FailedPreconditionError: naming the bucket and both grids.
         ResourceExhaustedError: the job's memory budget cannot hold one more bucket's grid.
     """
-    grid = (tensor.scheme.name, tensor.bits, codec_for(tensor.scheme).grid_channel_size(tensor.channel_size))
+    grid = (
+        tensor.scheme.name,
+        tensor.bits,
+        codec_for(tensor.scheme).grid_channel_size(tensor.channel_size),
+        tensor.topk,
+    )
     fixed = job.grids.get(bucket)
     if fixed is None:
         budget.charge(GRID_ENTRY_BYTES, f"the grid of bucket {bucket} of {job.describe()}", job.memory)

@@ -17,6 +17,7 @@ class Scheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEME_PER_CHANNEL_AFFINE: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_SYMMETRIC: _ClassVar[Scheme]
     SCHEME_PER_CHANNEL_SIGN: _ClassVar[Scheme]
+    SCHEME_SPARSE_TOPK: _ClassVar[Scheme]
 
 class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ SCHEME_PER_TENSOR_SYMMETRIC: Scheme
 SCHEME_PER_CHANNEL_AFFINE: Scheme
 SCHEME_PER_CHANNEL_SYMMETRIC: Scheme
 SCHEME_PER_CHANNEL_SIGN: Scheme
+SCHEME_SPARSE_TOPK: Scheme
 REFUSAL_UNSPECIFIED: Refusal
 REFUSAL_UNKNOWN_JOB: Refusal
 REFUSAL_NOT_JOINED: Refusal
@@ -59,7 +61,7 @@ MEMBER_ROLE_JOINING: MemberRole
 MEMBER_ROLE_RESUMING: MemberRole
 
 class QuantizedTensor(_message.Message):
-    __slots__ = ("scheme", "bits", "numel", "channel_size", "scale", "zero_point", "payload", "dtype")
+    __slots__ = ("scheme", "bits", "numel", "channel_size", "scale", "zero_point", "payload", "dtype", "topk")
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class QuantizedTensor(_message.Message):
     ZERO_POINT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
     scheme: Scheme
     bits: int
     numel: int
@@ -76,7 +79,8 @@ class QuantizedTensor(_message.Message):
     zero_point: bytes
     payload: bytes
     dtype: str
-    def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+    topk: int
+    def __init__(self, scheme: _Optional[_Union[Scheme, str]] = ..., bits: _Optional[int] = ..., numel: _Optional[int] = ..., channel_size: _Optional[int] = ..., scale: _Optional[bytes] = ..., zero_point: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "incarnation", "ranks", "elastic", "job_ranks", "max_members", "model_signature", "outer_step", "semi_sync", "role", "training_members", "weighted")

@@ -8,7 +8,7 @@ name the same schemes.
 
 from __future__ import annotations
 
-from gradq.qcore.codecs import floating, sign, uniform
+from gradq.qcore.codecs import floating, sign, sparse, uniform
 from gradq.qcore.codecs.base import Codec, DeviceEncoding, TorchTwin, noise_key
 from gradq.qcore.scheme import Scheme
 
@@ -16,7 +16,7 @@ __all__ = ["Codec", "DeviceEncoding", "TorchTwin", "codec_for", "noise_key", "re
 
 # Keyed by the enum's integer value, which is what arrives off the wire.
 _REGISTRY: dict[int, Codec] = {
-    int(codec.scheme): codec for module in (floating, uniform, sign) for codec in module.CODECS
+    int(codec.scheme): codec for module in (floating, uniform, sign, sparse) for codec in module.CODECS
 }
 
 

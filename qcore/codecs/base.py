@@ -10,7 +10,7 @@ import numpy as np
 
 from gradq.qcore.packing import packed_size
 from gradq.qcore.quantized import METADATA_BYTES, QuantizedArray
-from gradq.qcore.scheme import QuantConfig, Rounding, Scheme
+from gradq.qcore.scheme import DEFAULT_CHANNEL_SIZE, LOW_BIT_CHANNEL_SIZE, LOW_BITS, QuantConfig, Rounding, Scheme
 
 __all__ = ["Codec", "DeviceEncoding", "TorchTwin", "noise_key"]
 
@@ -34,7 +34,8 @@ class DeviceEncoding(NamedTuple):
     channel_size: int
     scale: Any  # float32, one per channel
     zero_point: Any  # int32, one per channel (empty for a scheme without zero points)
-    payload: Any  # uint8, ceil(numel * bits / 8)
+    payload: Any  # uint8, ceil(numel * bits / 8) (the sparse scheme's: its own layout)
+    topk: int = 0  # the sparse scheme's entries per chunk
 
 
 class TorchTwin(Protocol):
@@ -61,6 +62,7 @@ class Codec(ABC):
 
     quantized: bool  # levels on an integer grid (False: a float pass-through)
     zero_points = True  # each channel sends an int32 zero point beside its scale (a sign has none)
+    sparse = False  # sends some entries of each chunk (QuantConfig.topk), not every element
 
     def __init__(self, scheme: Scheme, twin_module: str) -> None:
         self.scheme = scheme
@@ -76,6 +78,14 @@ class Codec(ABC):
         return self.scheme.name.lower()
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    def default_channel_size(self, config: QuantConfig) -> int:
+        """The channel size of a config that names none: smaller at low bits (see ``LOW_BIT_CHANNEL_SIZE``)."""
+        return LOW_BIT_CHANNEL_SIZE if self.wire_bits(config) <= LOW_BITS else DEFAULT_CHANNEL_SIZE
+
+    def default_topk(self, config: QuantConfig) -> int:
+        """The ``topk`` of a config that names none: 0, unless the scheme is sparse."""
+        return 0
 
     @abstractmethod
     def wire_bits(self, config: QuantConfig) -> int:
@@ -173,8 +183,8 @@ class Codec(ABC):
         return float(np.dot(difference, difference)), float(np.dot(reference, reference))
 
     @abstractmethod
-    def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
-        """The grid the aggregator returns the mean on when the pushers used this scheme."""
+    def mean_config(self, bits: int, channel_size: int, topk: int = 0) -> QuantConfig:
+        """The grid the aggregator returns the mean on when the pushers used this scheme (and this ``topk``)."""
 
     def grid_channel_size(self, channel_size: int) -> int:
         """The channel size that is part of a push's grid: 0 for schemes without channels of their own.
@@ -196,6 +206,7 @@ class Codec(ABC):
         zero_point: bytes,
         payload: memoryview | bytes,
         dtype: str,
+        topk: int = 0,
     ) -> QuantizedArray:
         """Check a received encoding field by field and view it as a QuantizedArray (no payload copy).
 
@@ -205,6 +216,7 @@ class Codec(ABC):
             scale, zero_point: little-endian float32 / int32 bytes.
             payload: the packed levels.
             dtype: the sender's element type (checked by the caller).
+            topk: the sparse scheme's entries per chunk; must be 0 here.
 
         Returns:
             The QuantizedArray; its arrays are read-only views of the given bytes.
@@ -213,6 +225,8 @@ class Codec(ABC):
             ValueError: naming the offending field, its value and what was expected.
         """
         self._check_header(field, bits, numel, channel_size)
+        if topk:
+            raise ValueError(f"{field}.topk={topk} is invalid for {self.scheme.name}; expected 0 (only sparse schemes)")
         expected_payload = packed_size(numel, bits)
         if len(payload) != expected_payload:
             raise ValueError(

@@ -46,7 +46,7 @@ class FloatCodec(Codec):
     def check_config(self, config: QuantConfig) -> None:
         """Every valid QuantConfig is fine: bits and channel size are ignored."""
 
-    def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
+    def mean_config(self, bits: int, channel_size: int, topk: int = 0) -> QuantConfig:
         """The same float type."""
         return QuantConfig(self.scheme, 8, DEFAULT_CHANNEL_SIZE)
 

@@ -69,7 +69,7 @@ class SignCodec(Codec):
         """Its channel size."""
         return channel_size
 
-    def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
+    def mean_config(self, bits: int, channel_size: int, topk: int = 0) -> QuantConfig:
         """The same scaled-sign grid (the mean loses its magnitudes; ``--server-error-feedback true`` carries them)."""
         return QuantConfig(self.scheme, 1, channel_size)
 

@@ -66,7 +66,7 @@ class UniformCodec(Codec):
         """Per-channel grids: their channel size; per-tensor ones: 0."""
         return channel_size if self.per_channel else 0
 
-    def mean_config(self, bits: int, channel_size: int) -> QuantConfig:
+    def mean_config(self, bits: int, channel_size: int, topk: int = 0) -> QuantConfig:
         """The pushers' own grid: same scheme and bits (and channel size, per channel)."""
         return QuantConfig(self.scheme, bits, channel_size if self.per_channel else DEFAULT_CHANNEL_SIZE)
 

@@ -69,6 +69,7 @@ def accepted(message: pb.QuantizedTensor) -> bool:
             message.zero_point,
             message.payload,
             message.dtype,
+            message.topk,
         )
     except ValueError:
         return False
@@ -91,7 +92,8 @@ def test_each_schemes_zero_points_are_what_its_comment_says(scheme: Scheme) -> N
     count = len(message.zero_point) // 4
     assert count == (channels(message) if says_one_per_channel else 0)  # what the codec sends
     assert (count > 0) == says_one_per_channel
-    assert codec.zero_points == says_one_per_channel or codec.num_channels(8, 4) == 0  # floats: no channels
+    # Floats have no channels; the sparse scheme's scales are its lookup, and it has no zero points either.
+    assert codec.zero_points == says_one_per_channel or codec.num_channels(8, 4) == 0 or codec.sparse
     assert accepted(message)
     # What a receiver accepts: exactly that many, no more and no fewer.
     assert not accepted(header(scheme, bits, np.zeros(count + 1, np.int32)))
@@ -123,6 +125,8 @@ def test_each_schemes_bits_are_the_ones_its_comment_names(scheme: Scheme) -> Non
     comment = scheme_comment(scheme)
     if match := re.search(r"(\d+)\.\.(\d+) bits", comment):
         named = set(range(int(match[1]), int(match[2]) + 1))
+    elif match := re.search(r"(\d+)-bit codes", comment):
+        named = {int(match[1])}
     elif "1 bit per element" in comment:
         named = {1}
     else:
@@ -136,7 +140,8 @@ def test_each_schemes_bits_are_the_ones_its_comment_names(scheme: Scheme) -> Non
         probe = pb.QuantizedTensor()
         probe.CopyFrom(message)
         probe.bits = bits
-        probe.payload = bytes(-(-message.numel * bits // 8))  # zeros: a level (or a float) at every width
+        if not codec_for(scheme).sparse:  # zeros: a level (or a float) at every width
+            probe.payload = bytes(-(-message.numel * bits // 8))
         if message.zero_point:  # on the grid at this width, so only the bits decide
             middle = 1 << (bits - 1) if symmetric and 1 <= bits <= 8 else 0
             probe.zero_point = np.full(len(message.zero_point) // 4, middle, "<i4").tobytes()

@@ -37,7 +37,7 @@ def test_drift_is_detected(tmp_path: Path) -> None:
     (tmp_path / "aggregator.proto").write_text(
         (tmp_path / "aggregator.proto")
         .read_text()
-        .replace("string dtype = 8;", "string dtype = 8;\n  uint32 extra = 9;")
+        .replace("string dtype = 8;", "string dtype = 8;\n  uint32 extra = 99;")
     )
     assert "aggregator_pb2.py" in generator.drifted_files()
 
