@@ -66,11 +66,12 @@ def run(keys: int, elements: int) -> dict[str, float]:
     )
     client.join()
     parameters = np.ones(elements, np.float32)
-    client.seed_outer(0, 0, keys, parameters, None)  # the first key: the job's outer state exists from here on
+    # The first key: the job's outer state exists from here on.
+    client.membership.seed_outer(0, 0, keys, parameters, None)
     parent.send("measure")
     rss_before, charged_before = parent.recv()
     for key in range(1, keys):
-        client.seed_outer(0, key, keys, parameters, None)
+        client.membership.seed_outer(0, key, keys, parameters, None)
     parent.send("measure")
     rss_after, charged_after = parent.recv()
     client.close()

@@ -138,7 +138,9 @@ def measure(shards: int, elements: int, key_elements: int, timeout_s: float) -> 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for client in hosts:
                 seeds = [
-                    pool.submit(client.seed_outer, 0, key, keys_on[shard_for(key, shards)], parameters[:size], None)
+                    pool.submit(
+                        client.membership.seed_outer, 0, key, keys_on[shard_for(key, shards)], parameters[:size], None
+                    )
                     for key, size in enumerate(sizes)
                 ]
                 assert all(seed.result()[0] for seed in seeds)
@@ -153,9 +155,9 @@ def measure(shards: int, elements: int, key_elements: int, timeout_s: float) -> 
         phases.append(rss.phase())
         joiner = host(address, "outer-shards", timeout_s)
         joiner.join()
-        assert joiner.catch_up
+        assert joiner.membership.catch_up
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fetched = pool.submit(joiner.fetch_state)
+            fetched = pool.submit(joiner.membership.fetch_state)
             time.sleep(0.5)  # its transfers wait on every shard before the boundary comes
             futures = [client.push_pull_async(1, key, piece) for client in hosts for key, piece in enumerate(pieces)]
             for future in futures:

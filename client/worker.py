@@ -25,7 +25,7 @@ from gradq.client.chunks import (
 )
 from gradq.client.contact import check_resolvable, explain_no_answer
 from gradq.client.discovery import discover_shards
-from gradq.client.elastic import ANY_RANK, JobWorld, ReceivedState
+from gradq.client.elastic import ANY_RANK
 from gradq.client.membership import ShardMembership
 from gradq.client.push_stream import PushStream
 from gradq.client.security import ChannelSecurity
@@ -61,8 +61,9 @@ class WorkerClient:
     """One rank's connection to a job on one or more aggregator shards: its channels and its pushes.
 
     Who the member is on each shard (join, watch, rejoin, leave, state
-    transfer) is ``membership``'s (gradq.client.membership); the client reads
-    its id, run and news through it.
+    transfer) is ``membership``'s (gradq.client.membership): its id, run,
+    news and state transfer are read there (``client.membership.rank``), in
+    one place, never through forwarders here.
 
     Args:
         addresses: ``host:port`` of each shard (a single string for one).
@@ -93,7 +94,7 @@ class WorkerClient:
             uuid rank 0 draws and broadcasts); a rerun or restart with the same
             ``job_id`` passes a new one. "" gives none.
         reconnect_timeout_s: how long a retry's rejoin waits for a shard that
-            went away (``join`` waits ``timeout_s``): a dead aggregator is
+            went away (``join`` waits ``membership.timeout_s``): a dead aggregator is
             reported unreachable after about this long plus the first backoff.
         ranks: how many of the job's ranks this member stands for: 1, or under
             two-level aggregation the ranks of the host whose sum it pushes
@@ -103,7 +104,7 @@ class WorkerClient:
             ``ANY_RANK`` (the aggregator assigns a free member id at ``join``),
             a live run's incarnation is adopted, ``world_size`` counts the
             members it starts with, and the Watch stream's membership news is
-            read into ``world`` (see gradq.client.elastic).
+            read into ``membership.world`` (see gradq.client.elastic).
         job_ranks: the job's ranks in all (the launcher's world size, which
             gradq serve --world-size counts): the ranks the ``world_size``
             members stand for together. None: ``world_size``, one rank per member
@@ -112,7 +113,7 @@ class WorkerClient:
         model_signature: elastic: this host's shared model, one line per tensor
             (gradq.client.session.elastic.model_signature); "" leaves it unchecked.
         outer_step: elastic: DiLoCo's outer step, which the aggregator then runs on
-            the job's global state (see ``seed_outer``); None: it only averages.
+            the job's global state (see ``ShardMembership.seed_outer``); None: it only averages.
         semi_sync: elastic, with ``outer_step``: (quorum, grace seconds): a round
             closes once that many members have pushed and the grace has passed.
         push_stream: send each shard's pushes as the messages of one
@@ -281,7 +282,7 @@ class WorkerClient:
     # -- membership ----------------------------------------------------------------------------
 
     def join(self) -> None:
-        """Join the job on every shard, waiting up to ``timeout_s`` for each to come up.
+        """Join the job on every shard, waiting up to ``membership.timeout_s`` for each to come up.
 
         Given one address, first ask that shard for its group
         (gradq.client.discovery): the client then talks to every shard of it,
@@ -297,7 +298,7 @@ class WorkerClient:
             check_resolvable(self.addresses)
         try:
             if self._discover and first:
-                group = discover_shards(self._stubs[0], self.addresses[0], self.timeout_s, self._metadata)
+                group = discover_shards(self._stubs[0], self.addresses[0], self.membership.timeout_s, self._metadata)
                 self._discover = False
                 if group != self.addresses:
                     self._sender.close()  # replaced by the group's; nothing was pushed through it yet
@@ -308,78 +309,7 @@ class WorkerClient:
             threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
             self.membership.join()
         except AggregationError as error:  # a first contact that got no answer says what the address answered
-            raise (explain_no_answer(error, self.security, self.timeout_s) if first else error) from None
-
-    # -- membership, as gradq.client.membership keeps it ------------------------------------------
-
-    @property
-    def timeout_s(self) -> float:
-        """Deadline of a Join and of each state transfer (a push's is fixed when the client is made)."""
-        return self.membership.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, timeout_s: float) -> None:  # the session joins under its connect timeout
-        self.membership.timeout_s = timeout_s
-
-    @property
-    def rank(self) -> int:
-        """This member's id (an elastic member's is the one the first shard gave)."""
-        return self.membership.rank
-
-    @rank.setter
-    def rank(self, rank: int) -> None:
-        self.membership.rank = rank
-
-    @property
-    def incarnation(self) -> str:
-        """The run of the job joined (on the first shard; see ``incarnations``)."""
-        return self.membership.incarnation
-
-    @incarnation.setter
-    def incarnation(self, incarnation: str) -> None:
-        self.membership.incarnation = incarnation
-
-    @property
-    def incarnations(self) -> list[str]:
-        """Each shard's run of the job: the first shard's is the member's run."""
-        return self.membership.incarnations
-
-    @property
-    def catch_up(self) -> bool:
-        """Elastic: joined a job in training; it must receive the state before pushing."""
-        return self.membership.catch_up
-
-    @catch_up.setter
-    def catch_up(self, pending: bool) -> None:  # a host's other ranks learn it from its first rank
-        self.membership.catch_up = pending
-
-    @property
-    def world(self) -> JobWorld | None:
-        """Elastic: the members as the first shard's Watch stream last announced them."""
-        return self.membership.world
-
-    @property
-    def joins(self) -> int:
-        """Successful Joins, rejoins included: a DiLoCo host re-seeds a restarted aggregator."""
-        return self.membership.joins
-
-    def fetch_state(self) -> list[ReceivedState]:
-        """See ``ShardMembership.fetch_state``: what each shard sent, in shard order."""
-        return self.membership.fetch_state()
-
-    def send_state(self, joiner: int, step: int, data: bytes) -> int:
-        """See ``ShardMembership.send_state``."""
-        return self.membership.send_state(joiner, step, data)
-
-    def seed_outer(
-        self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
-    ) -> tuple[bool, int, bytes, bytes]:
-        """See ``ShardMembership.seed_outer``."""
-        return self.membership.seed_outer(step, key, keys, parameters, momentum)
-
-    def shard_of(self, key: int) -> int:
-        """See ``ShardMembership.shard_of``."""
-        return self.membership.shard_of(key)
+            raise (explain_no_answer(error, self.security, self.membership.timeout_s) if first else error) from None
 
     def _seed_rng(self, rank: int) -> None:
         # Per-rank stream so stochastic rounding is independent across ranks.
@@ -630,10 +560,10 @@ class WorkerClient:
             self.job_id,
             step,
             bucket,
-            self.rank,
+            self.membership.rank,
             tensor,
             non_finite,
-            self.incarnations[shard],
+            self.membership.incarnations[shard],
             pending.sequence,
             weight,
         )

@@ -122,7 +122,7 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
             for step in state.steps(spec.steps):
                 client = state.client
                 assert client is not None
-                member = client.rank  # a host that joined again may hold another member id
+                member = client.membership.rank  # a host that joined again may hold another member id
                 for group in optimizer.param_groups:
                     group["lr"] = spec.learning_rate * 0.5 * (1.0 + math.cos(math.pi * step / spec.steps))
                 draw = np.random.default_rng([spec.seed, step, member, local_rank])
@@ -149,7 +149,7 @@ def train_elastic(spec: ElasticSpec) -> ElasticResult:
                 held_out = nn.functional.cross_entropy(logits, torch.from_numpy(y_test)).item()
                 accuracy = 100.0 * (logits.argmax(1).numpy() == y_test).mean()
             client = state.client
-            member = client.rank if client is not None else -1
+            member = client.membership.rank if client is not None else -1
             return ElasticResult(member, first, last - first, held_out, float(accuracy), _digest(model))
         finally:
             if state is not None:

@@ -104,7 +104,7 @@ def _leave_all() -> None:
         alive = finalizer.peek()  # (owner, func, args, kwargs), None once left
         if alive is not None:
             client = alive[2][0]
-            client.timeout_s = min(client.timeout_s, EXIT_LEAVE_TIMEOUT_S)
+            client.membership.timeout_s = min(client.membership.timeout_s, EXIT_LEAVE_TIMEOUT_S)
             finalizer()
 
 

@@ -30,9 +30,9 @@ from gradq.client.session.elastic import training_state
 
 if TYPE_CHECKING:
     from gradq.client.config import GradqConfig
+    from gradq.client.membership import ShardMembership
     from gradq.client.session.host_groups import HostGroup
     from gradq.client.session.training_log import SessionEvents
-    from gradq.client.worker import WorkerClient
 
 __all__ = ["ElasticMember", "Member", "SessionView", "dropped_from_job"]
 
@@ -60,8 +60,6 @@ class SessionView(Protocol):
     """
 
     @property
-    def client(self) -> WorkerClient | None: ...
-    @property
     def config(self) -> GradqConfig: ...
     @property
     def events(self) -> SessionEvents: ...
@@ -81,13 +79,16 @@ class Member(Generic[S]):
     """This host's place in its job, as the session's training loops see it (see the module docstring).
 
     Args:
-        session: the connected session whose worker client joined the job (None under a fallback).
+        session: the connected session that owns this member.
+        membership: the joined worker client's membership of the job (None under a fallback: no member).
     """
 
-    __slots__ = ("_session", "served_step")
+    __slots__ = ("_session", "membership", "served_step")
 
-    def __init__(self, session: S) -> None:
+    def __init__(self, session: S, membership: ShardMembership | None) -> None:
         self._session = session
+        # Who this host is on each shard: read here, not through the worker client, which keeps only the pushes.
+        self.membership = membership
         self.served_step = -1  # the step whose boundary this member last served joiners at
 
     @property
@@ -121,25 +122,22 @@ class Member(Generic[S]):
     @property
     def rank(self) -> int | None:
         """The member id the aggregator gave this host (None under a fallback)."""
-        client = self._session.client
-        return client.rank if client is not None else None
+        membership = self.membership
+        return membership.rank if membership is not None else None
 
     @property
     def joining(self) -> bool:
         """Joined a job in training: it must take the state before its first push."""
-        client = self._session.client
-        return client is not None and client.catch_up
+        return self.membership is not None and self.membership.catch_up
 
     @property
     def joins(self) -> int:
         """Successful Joins so far, rejoins of a restarted aggregator included (a DiLoCo host re-seeds then)."""
-        client = self._session.client
-        return client.joins if client is not None else 0
+        return self.membership.joins if self.membership is not None else 0
 
     def world(self) -> JobWorld | None:
         """The job's members training and the ranks they stand for, as last announced (None before the first)."""
-        client = self._session.client
-        return client.world if client is not None else None
+        return self.membership.world if self.membership is not None else None
 
     # -- taking the state ---------------------------------------------------------------------------
 
@@ -155,13 +153,13 @@ class Member(Generic[S]):
         Raises:
             AggregationError: refused, the sender went away, or the deadline passed (on every rank).
         """
-        session = self._session
-        client, host = session.client, session.host
-        assert client is not None, "a fallback session has no membership"
+        session, membership = self._session, self.membership
+        host = session.host
+        assert membership is not None, "a fallback session has no membership"
         received: list[Any] = [None]
         if host.local_rank == 0:
             try:
-                states = client.fetch_state()
+                states = membership.fetch_state()
                 received[0] = (states[0].step, [state.data for state in states], states[0].sender)
             except AggregationError as error:  # the host's other ranks must not wait for it forever
                 received[0] = (error.address, error.details)
@@ -169,7 +167,7 @@ class Member(Generic[S]):
                     raise
         if host.local_size > 1 and session.group is not None:
             dist.broadcast_object_list(received, src=dist.get_global_rank(session.group, 0), group=session.group)
-            client.catch_up = False
+            membership.catch_up = False
         if len(received[0]) == 2:
             address, details = received[0]
             raise AggregationError(address, None, f"the host's first rank could not receive the state: {details}")
@@ -179,14 +177,12 @@ class Member(Generic[S]):
     @property
     def shards(self) -> int:
         """The aggregator shards the job's rounds are spread over."""
-        client = self._session.client
-        return len(client.addresses) if client is not None else 0
+        return len(self.membership.addresses) if self.membership is not None else 0
 
     def shard_of(self, key: int) -> int:
         """The shard that owns round key ``key``."""
-        client = self._session.client
-        assert client is not None, "a fallback session has no membership"
-        return client.shard_of(key)
+        assert self.membership is not None, "a fallback session has no membership"
+        return self.membership.shard_of(key)
 
     def receive(self, shared: Sequence[Any], step: int) -> int:
         """A newcomer receives a live host's state and loads it into ``shared``; returns the step to train from.
@@ -233,16 +229,16 @@ class Member(Generic[S]):
         if step == self.served_step:
             return
         self.served_step = step
-        client, host = self._session.client, self._session.host
-        world = client.world if client is not None else None
-        if client is None or world is None or not world.joiners or world.donor != client.rank:
+        membership, host = self.membership, self._session.host
+        world = membership.world if membership is not None else None
+        if membership is None or world is None or not world.joiners or world.donor != membership.rank:
             return
         if host.local_rank != 0:
             return  # the host's first rank sends, before its first collective of the step: the others wait in it
         data = training_state(shared, step)
         for joiner in world.joiners:
             try:
-                relayed = client.send_state(joiner, step, data)
+                relayed = membership.send_state(joiner, step, data)
             except AggregationError as error:
                 log.warning("could not send member %d the training state: %s", joiner, error)
                 continue
@@ -255,20 +251,19 @@ class Member(Generic[S]):
     ) -> tuple[bool, int, bytes, bytes]:
         """Seed, or check, the aggregator's global state of round key ``key`` before outer round ``step``.
 
-        See ``WorkerClient.seed_outer``: (matched, the copy's outer round, its parameters and momentum when
+        See ``ShardMembership.seed_outer``: (matched, the copy's outer round, its parameters and momentum when
         they differ).
 
         Raises:
             AggregationError: refused (names why) or unreachable.
         """
-        client = self._session.client
-        assert client is not None, "a fallback session has no membership"
-        return client.seed_outer(step, key, keys, parameters, momentum)
+        assert self.membership is not None, "a fallback session has no membership"
+        return self.membership.seed_outer(step, key, keys, parameters, momentum)
 
     def address(self) -> str:
         """The first shard's address, for messages."""
-        client = self._session.client
-        return client.addresses[0] if client is not None else ",".join(self._session.config.addresses)
+        membership = self.membership
+        return membership.addresses[0] if membership is not None else ",".join(self._session.config.addresses)
 
 
 ElasticMember = Member  # the name it had before it answered drops; kept for code that imports it

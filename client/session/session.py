@@ -107,7 +107,7 @@ class GradqSession:
         self.failures = BackwardFailures(self._terms.on_drop)
         self.residuals = ParameterResiduals(client, config.codec)
         self.plans = BitPlans()
-        self.member: Member[GradqSession] = Member(self)
+        self.member: Member[GradqSession] = Member(self, client.membership if client is not None else None)
         self.events = SessionEvents(job_id, client, group is None or dist.get_rank(group) == 0, mode)
         self._closed = False
         self._sender_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -207,7 +207,7 @@ class GradqSession:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         if agreed.item() == _JOINED and client is not None:
             if config.elastic_hosts:  # the member id the aggregator assigned, and the run joined
-                host, incarnation = replace(host, host=client.rank), client.incarnation
+                host, incarnation = replace(host, host=client.membership.rank), client.membership.incarnation
             session = cls(config, group, job_id, incarnation, host, client, "gradq", terms)
             session.events.connected(config, host)
             return session
@@ -338,7 +338,7 @@ class GradqSession:
 
     def world(self) -> JobWorld | None:
         """Elastic: the job's members and the ranks they stand for, as last announced (None before the first)."""
-        return self.client.world if self.client is not None else None
+        return self.member.world()
 
     def stats(self) -> ClientStats | None:
         """The worker client's figures; None under a fallback."""
@@ -446,9 +446,9 @@ def _join_host(
 
     def join(client: WorkerClient) -> AggregationError | None:
         try:
-            client.timeout_s = config.connect_timeout_s
+            client.membership.timeout_s = config.connect_timeout_s
             client.join()
-            client.timeout_s = config.timeout_s
+            client.membership.timeout_s = config.timeout_s
         except AggregationError as error:
             client.close()
             return error
@@ -463,7 +463,9 @@ def _join_host(
     if host.local_rank == 0:
         client = client_for(ANY_RANK, incarnation)
         failure = join(client)
-    joined: list[Any] = [(client.rank, client.incarnation) if client is not None and failure is None else None]
+    joined: list[Any] = [
+        (client.membership.rank, client.membership.incarnation) if client is not None and failure is None else None
+    ]
     if host.local_size > 1 and group is not None:
         dist.broadcast_object_list(joined, src=dist.get_global_rank(group, 0), group=group)
         if host.local_rank != 0 and joined[0] is not None:

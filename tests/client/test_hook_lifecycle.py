@@ -107,7 +107,7 @@ def test_every_connect_is_a_new_incarnation_of_the_job(aggregator: AggregatorSer
             step(model)
             step(model)
             assert state.step == 2 and state.client is not None
-            incarnations.append(state.client.incarnation)
+            incarnations.append(state.client.membership.incarnation)
     assert all(len(name) == 32 for name in incarnations) and incarnations[0] != incarnations[1]
 
 

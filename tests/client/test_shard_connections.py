@@ -119,11 +119,10 @@ def test_a_resend_on_another_connection_is_counted_once(server: AggregatorServer
     step(clients, 1)  # the window now wants several connections
     transport = clients[0]._sender.transports[0]
     assert isinstance(transport, ShardConnections) and transport.opened > 1
-    mine = serde.push_pull_request(
-        "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=clients[0].incarnations[0], sequence=10**6
-    )
+    run = clients[0].membership.incarnations[0]
+    mine = serde.push_pull_request("paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=run, sequence=10**6)
     resend = serde.push_pull_request(
-        "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=clients[0].incarnations[0], sequence=10**6 + 1
+        "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=run, sequence=10**6 + 1
     )
     sent = transport.send(mine, 10**6)
     again = transport.send(resend, 10**6 + 1)  # the first connection holds the first: the least loaded is another

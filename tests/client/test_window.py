@@ -127,7 +127,7 @@ def test_an_unreachable_shard_fails_every_waiting_push_at_once(server: Aggregato
     client = WorkerClient(
         f"127.0.0.1:{server.port}", "outage", 0, 2, EXACT, max_in_flight=1, max_retries=1, retry_backoff_s=0.05
     )
-    client.timeout_s = 1.0  # the rejoin's patience: one timeout for the whole queue, not one per push
+    client.membership.timeout_s = 1.0  # the rejoin's patience: one timeout for the whole queue, not one per push
     client.join()
     server.stop()
     started = time.monotonic()

@@ -55,7 +55,7 @@ from gradq.qcore import QuantConfig, Scheme
 host = WorkerClient(sys.argv[1], "elastic", ANY_RANK, 2, QuantConfig(scheme=Scheme.FLOAT32), elastic=True)
 host.join()
 deadline = time.monotonic() + 60
-while host.world is None:
+while host.membership.world is None:
     if time.monotonic() > deadline:
         sys.exit("no Watch answer within 60 s")
     time.sleep(0.01)

@@ -64,7 +64,7 @@ class LegitJob:
         def work(client: WorkerClient) -> None:
             try:
                 for step in steps:
-                    mean = client.push_pull(step, 0, gradient(client.rank, step))
+                    mean = client.push_pull(step, 0, gradient(client.membership.rank, step))
                     np.testing.assert_array_equal(mean, expected_mean(self.world, step))
             except BaseException as error:  # re-raised in the test's thread below
                 failures.append(error)

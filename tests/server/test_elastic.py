@@ -61,18 +61,22 @@ def host(server: AggregatorServer) -> Iterator[Host]:
 
 
 def wait_for_world(client: WorkerClient, done: Callable[[JobWorld], bool], timeout_s: float = 5.0) -> JobWorld:
-    wait_until(lambda: client.world is not None and done(client.world), "the Watch stream to announce it", timeout_s)
-    assert client.world is not None
-    return client.world
+    wait_until(
+        lambda: client.membership.world is not None and done(client.membership.world),
+        "the Watch stream to announce it",
+        timeout_s,
+    )
+    assert client.membership.world is not None
+    return client.membership.world
 
 
 def test_members_get_the_lowest_free_ids_and_the_live_runs_incarnation(host: Host) -> None:
     first, second = host("a"), host("b")
-    assert (first.rank, second.rank) == (0, 1)
-    assert first.incarnation == second.incarnation == "a"  # joined, not superseded
-    assert not first.catch_up and not second.catch_up  # the starting hosts
+    assert (first.membership.rank, second.membership.rank) == (0, 1)
+    assert first.membership.incarnation == second.membership.incarnation == "a"  # joined, not superseded
+    assert not first.membership.catch_up and not second.membership.catch_up  # the starting hosts
     third = host("c")
-    assert (third.rank, third.incarnation, third.catch_up) == (2, "a", True)
+    assert (third.membership.rank, third.membership.incarnation, third.membership.catch_up) == (2, "a", True)
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: member 2 of elastic .* is pending"):
         third.push_pull(0, 0, np.ones(4, np.float32))
     world = wait_for_world(first, lambda world: world.size == 2)
@@ -89,10 +93,10 @@ def test_elastic_max_hosts_caps_the_job_and_every_host_must_say_the_same_cap(hos
         host(max_members=3)
     with pytest.raises(AggregationError, match=r"elastic_max_hosts=5 does not match .* holds at most 3 hosts"):
         host(max_members=5)
-    assert [member.rank for member in members] == [0, 1, 2]  # the refusals left the members alone
+    assert [member.membership.rank for member in members] == [0, 1, 2]  # the refusals left the members alone
     members[2].close()  # one leaves: a host may take its place
     wait_for_world(members[0], lambda world: 2 not in world.members)
-    assert host(max_members=3).rank == 2
+    assert host(max_members=3).membership.rank == 2
 
 
 def test_a_host_whose_model_differs_is_refused_naming_the_first_difference(host: Host) -> None:
@@ -110,7 +114,8 @@ def test_a_host_whose_model_differs_is_refused_naming_the_first_difference(host:
         r"nothing \(its model ends after 2 tensors\)",
     ):
         host(model_signature=model + "\n0.head.weight float32[10]")
-    assert host(model_signature=model).catch_up  # the right model still joins (pending: it waits for the state)
+    # The right model still joins (pending: it waits for the state).
+    assert host(model_signature=model).membership.catch_up
     with ThreadPoolExecutor(2) as pool:  # and the starting hosts train on
         means = list(pool.map(lambda client: client.push_pull(0, 0, np.ones(4, np.float32)), (first, second)))
     assert all(np.allclose(mean, 1.0) for mean in means)
@@ -143,7 +148,7 @@ def test_a_lost_member_is_dropped_and_the_open_round_finishes_over_the_rest(
     first, second = host(), host()
     ones = np.ones(8, np.float32)
     with ThreadPoolExecutor(2) as pool:
-        both = [pool.submit(client.push_pull, 0, 0, ones * (client.rank + 1)) for client in (first, second)]
+        both = [pool.submit(client.push_pull, 0, 0, ones * (client.membership.rank + 1)) for client in (first, second)]
         assert [f.result(timeout=10).tolist() for f in both] == [[1.5] * 8] * 2
     waiting = ThreadPoolExecutor(1).submit(first.push_pull, 1, 0, ones)
     wait_until(lambda: server.table.in_flight() == 1, "member 0's push to open step 1's round")
@@ -159,20 +164,22 @@ def test_a_joiner_receives_the_state_relayed_and_trains_from_that_step(host: Hos
     first, second = host(), host()
     state = np.random.default_rng(0).bytes(3 * (1 << 20) + 12345)  # several relay chunks
     joiner = host()
-    assert joiner.catch_up
-    fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    assert joiner.membership.catch_up
+    fetched = ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
     world = wait_for_world(first, lambda world: world.joiners == (2,))
     assert world.donor == 0 and world.members == (0, 1)
     # While it waits, the relay is charged to the job: the aggregator's budget holds it.
     assert server.table.budget.in_use >= RELAY_BYTES
-    assert first.send_state(2, 7, state) == len(state)
+    assert first.membership.send_state(2, 7, state) == len(state)
     (received,) = fetched.result(timeout=10)
     assert (received.data, received.step, received.sender) == (state, 7, 0)
-    assert not joiner.catch_up
+    assert not joiner.membership.catch_up
     assert wait_for_world(second, lambda world: world.size == 3).ranks == 3
     # Step 7 now waits for all three; each gets the same mean.
     with ThreadPoolExecutor(3) as pool:
-        means = [pool.submit(c.push_pull, 7, 0, np.full(4, c.rank, np.float32)) for c in (first, second, joiner)]
+        means = [
+            pool.submit(c.push_pull, 7, 0, np.full(4, c.membership.rank, np.float32)) for c in (first, second, joiner)
+        ]
         assert [m.result(timeout=10).tolist() for m in means] == [[1.0] * 4] * 3
     assert server.table.budget.in_use < RELAY_BYTES  # the relay's charge is given back
 
@@ -186,11 +193,11 @@ def test_the_relay_holds_back_a_sender_until_the_joiner_reads(host: Host, server
     first, _ = host(), host()
     joiner = host()
     stub = pb_grpc.AggregatorStub(grpc.insecure_channel(joiner.addresses[0]))
-    request = pb.StateRequest(job_id="e", rank=joiner.rank, incarnation=joiner.incarnation)
+    request = pb.StateRequest(job_id="e", rank=joiner.membership.rank, incarnation=joiner.membership.incarnation)
     stream = stub.FetchState(request, timeout=30)
     wait_for_world(first, lambda world: world.joiners == (2,))
     state = bytes(64 << 20)  # far more than the relay (4 MiB) and HTTP/2's windows hold
-    sending: Future[int] = ThreadPoolExecutor(1).submit(first.send_state, 2, 3, state)
+    sending: Future[int] = ThreadPoolExecutor(1).submit(first.membership.send_state, 2, 3, state)
     wait_until(lambda: [relay.queue.full() for relay in relays(server)] == [True], "the relay's queue full")
     assert not sending.done()  # held back: the aggregator does not buffer what the joiner has not read
     assert relays(server)[0].relayed < len(state)  # stopped partway, not merely slow to report
@@ -203,9 +210,11 @@ def test_a_sender_that_goes_away_leaves_the_joiner_to_join_again_and_take_the_st
 ) -> None:
     first, second = host(), host()
     joiner = host()
-    fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    fetched = ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
     wait_for_world(first, lambda world: world.joiners == (2,))
-    header = pb.StateChunk(job_id="e", rank=0, incarnation=first.incarnation, joiner=2, step=1, total_bytes=10 << 20)
+    header = pb.StateChunk(
+        job_id="e", rank=0, incarnation=first.membership.incarnation, joiner=2, step=1, total_bytes=10 << 20
+    )
     cancelled = threading.Event()
 
     def half_then_stop() -> Iterator[pb.StateChunk]:
@@ -221,32 +230,34 @@ def test_a_sender_that_goes_away_leaves_the_joiner_to_join_again_and_take_the_st
     call.cancel()  # member 0 stops sending mid-transfer: the joiner's transfer breaks (UNAVAILABLE)
     cancelled.set()
     # It leaves, joins again as a newcomer and waits for a sender again; the other live member sends.
-    wait_until(lambda: joiner.joins >= 2, "the joiner to join again", 10.0)
-    wait_for_world(second, lambda world: world.joiners == (joiner.rank,))
-    assert second.send_state(joiner.rank, 4, b"the training state") == len(b"the training state")
+    wait_until(lambda: joiner.membership.joins >= 2, "the joiner to join again", 10.0)
+    wait_for_world(second, lambda world: world.joiners == (joiner.membership.rank,))
+    assert second.membership.send_state(joiner.membership.rank, 4, b"the training state") == len(b"the training state")
     (received,) = fetched.result(timeout=10)
-    assert (received.data, received.step, received.sender) == (b"the training state", 4, second.rank)
+    assert (received.data, received.step, received.sender) == (b"the training state", 4, second.membership.rank)
 
 
 def test_only_a_pending_member_fetches_and_only_a_training_member_sends(host: Host) -> None:
     first, _ = host(), host()
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .*member 0 .* trains already"):
-        first.fetch_state()
+        first.membership.fetch_state()
     with pytest.raises(
         AggregationError, match=r"FAILED_PRECONDITION: sending the training state: member 5 of .* is not waiting"
     ):
-        first.send_state(5, 1, b"x")
+        first.membership.send_state(5, 1, b"x")
     joiner = host()
-    ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
     wait_for_world(first, lambda world: world.joiners == (2,))
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .*waiting for the state already"):
-        joiner.fetch_state()
+        joiner.membership.fetch_state()
     with pytest.raises(
         AggregationError, match=r"FAILED_PRECONDITION: sending the training state: member 2 of elastic .* is pending"
     ):
-        joiner.send_state(2, 1, b"x")  # a pending member cannot admit itself
+        joiner.membership.send_state(2, 1, b"x")  # a pending member cannot admit itself
     with pytest.raises(AggregationError, match=r"INVALID_ARGUMENT: the state ended at 1 of its total_bytes=2"):
-        header = pb.StateChunk(job_id="e", rank=0, incarnation=first.incarnation, joiner=2, step=1, total_bytes=2)
+        header = pb.StateChunk(
+            job_id="e", rank=0, incarnation=first.membership.incarnation, joiner=2, step=1, total_bytes=2
+        )
         header.data = b"x"
         stub = pb_grpc.AggregatorStub(grpc.insecure_channel(first.addresses[0]))
         try:
@@ -274,14 +285,14 @@ def test_tokens_scope_elastic_joins_fetches_and_sends(start_aggregator: StartAgg
         intruder = member("team-b-token-000000")
         with pytest.raises(AggregationError, match=r"PERMISSION_DENIED: this token is bound to jobs starting with"):
             intruder.join()
-        intruder.rank, intruder.incarnation = 1, owner.incarnation
+        intruder.membership.rank, intruder.membership.incarnation = 1, owner.membership.incarnation
         with pytest.raises(AggregationError, match=r"PERMISSION_DENIED"):
-            intruder.fetch_state()
+            intruder.membership.fetch_state()
         with pytest.raises(AggregationError, match=r"PERMISSION_DENIED"):
-            intruder.send_state(1, 1, b"x")
+            intruder.membership.send_state(1, 1, b"x")
         bound = member("team-a-rank-3-token")
         bound.join()  # asks for any member id; its token makes it member 3
-        assert (bound.rank, bound.catch_up) == (3, True)
+        assert (bound.membership.rank, bound.membership.catch_up) == (3, True)
         bound.close()
         intruder.close()
     finally:

@@ -92,7 +92,11 @@ def push_all(step: int, clients: list[WorkerClient], values: list[float]) -> lis
 
 
 def wait_for_world(client: WorkerClient, done: Callable[[JobWorld], bool]) -> None:
-    wait_until(lambda: client.world is not None and done(client.world), "the Watch stream to announce it", 10.0)
+    wait_until(
+        lambda: client.membership.world is not None and done(client.membership.world),
+        "the Watch stream to announce it",
+        10.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -120,7 +124,7 @@ def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
     threading.Thread(target=lambda: _settle(joined, standby.join), daemon=True).start()
     if restarted != 0:
         joined.result(timeout=20)  # pending on the live first shard, pending on the restarted one too
-        assert standby.catch_up and standby.incarnation == first.incarnation
+        assert standby.membership.catch_up and standby.membership.incarnation == first.membership.incarnation
     else:  # the standby's Join made a run of its own on the empty first shard (the other shard refuses it)
         wait_until(
             lambda: (
@@ -133,7 +137,7 @@ def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
     # The survivors' next step reaches the restarted shard after the standby: their run is the job's.
     assert push_all(1, [first, second], [5.0, 7.0]) == [pytest.approx(np.full(8, 6.0))] * 2
     joined.result(timeout=20)
-    if not standby.catch_up:
+    if not standby.membership.catch_up:
         # One aggregator: nothing else told the standby that the run it started there was not the job's. The
         # survivors' run replaced it; its next call says so, and it joins again as a newcomer (as the DDP hook
         # and DiLoCo do on that refusal).
@@ -144,15 +148,16 @@ def test_a_joiner_that_reaches_a_restarted_shard_first_does_not_take_the_job(
         standby.close()
         standby = hosts(group.addresses, "run-c")
         standby.join()
-    assert standby.catch_up, "the standby is a newcomer: it waits for the state"
-    assert standby.incarnation == first.incarnation == second.incarnation
-    assert standby.rank not in (first.rank, second.rank)
+    assert standby.membership.catch_up, "the standby is a newcomer: it waits for the state"
+    assert standby.membership.incarnation == first.membership.incarnation == second.membership.incarnation
+    assert standby.membership.rank not in (first.membership.rank, second.membership.rank)
 
     received: Future[object] = Future()
-    threading.Thread(target=lambda: _settle(received, standby.fetch_state), daemon=True).start()
-    wait_for_world(first, lambda world: standby.rank in world.joiners)
-    donor = first if first.world is not None and first.world.donor == first.rank else second
-    donor.send_state(standby.rank, 2, b"the training state")
+    threading.Thread(target=lambda: _settle(received, standby.membership.fetch_state), daemon=True).start()
+    wait_for_world(first, lambda world: standby.membership.rank in world.joiners)
+    world = first.membership.world
+    donor = first if world is not None and world.donor == first.membership.rank else second
+    donor.membership.send_state(standby.membership.rank, 2, b"the training state")
     assert received.result(timeout=20)[0].data == b"the training state"  # type: ignore[index]
 
     means = push_all(2, [first, second, standby], [1.0, 2.0, 6.0])
@@ -172,7 +177,8 @@ def test_a_standby_refused_by_a_restarted_first_shards_run_rejoins_as_a_newcomer
     assert push_all(1, [first, second], [5.0, 7.0]) == [pytest.approx(np.full(8, 6.0))] * 2
     standby = hosts(group.addresses, "run-c")
     standby.join()
-    assert (standby.catch_up, standby.incarnation, standby.rank) == (True, first.incarnation, 2)
+    joined = standby.membership
+    assert (joined.catch_up, joined.incarnation, joined.rank) == (True, first.membership.incarnation, 2)
 
 
 def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_member(
@@ -193,15 +199,15 @@ def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_
     server = group.restart(0)
     standby = hosts(group.addresses, "run-c")
     standby.join()  # the empty shard: a run of its own, in which it starts
-    assert not standby.catch_up and standby.incarnation == "run-c"
-    taken_id = standby.rank
-    survivor = next(host for host in (first, second) if host.rank != taken_id)
+    assert not standby.membership.catch_up and standby.membership.incarnation == "run-c"
+    taken_id = standby.membership.rank
+    survivor = next(host for host in (first, second) if host.membership.rank != taken_id)
     other = first if survivor is second else second
 
     survivor_push: Future[list[np.ndarray]] = Future()
     threading.Thread(target=lambda: _settle(survivor_push, lambda: push_all(1, [survivor], [5.0])), daemon=True).start()
     wait_until(
-        lambda: (job := server.table.jobs.find("ef", first.incarnation)) is not None and job.members.resumed,
+        lambda: (job := server.table.jobs.find("ef", first.membership.incarnation)) is not None and job.members.resumed,
         "the survivor to take the restarted shard back",
         10.0,
     )
@@ -221,8 +227,8 @@ def test_a_standbys_run_replaced_between_the_survivors_returns_never_makes_it_a_
     assert push_all(1, [other], [7.0]) == [pytest.approx(np.full(8, 6.0))]  # the survivors alone
     assert survivor_push.result(timeout=10) == [pytest.approx(np.full(8, 6.0))]
     joined.result(timeout=20)
-    assert newcomer.catch_up and newcomer.incarnation == first.incarnation
-    assert newcomer.rank not in (first.rank, second.rank)
+    assert newcomer.membership.catch_up and newcomer.membership.incarnation == first.membership.incarnation
+    assert newcomer.membership.rank not in (first.membership.rank, second.membership.rank)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +245,7 @@ def test_a_restarted_shard_re_forms_the_run_with_the_members_training_not_the_on
     assert push_all(0, [first, second, third], [1.0, 2.0, 6.0]) == [pytest.approx(np.full(8, 3.0))] * 3
     for watch in third.membership._watches:  # its Watch streams end with no Leave, as when its process dies
         watch.cancel()
-    wait_for_world(first, lambda world: world.members == (first.rank, second.rank))
+    wait_for_world(first, lambda world: world.members == (first.membership.rank, second.membership.rank))
     assert push_all(1, [first, second], [1.0, 3.0]) == [pytest.approx(np.full(8, 2.0))] * 2
     group.restart(restarted)
     started = time.monotonic()
@@ -257,7 +263,7 @@ def test_a_member_the_first_shard_dropped_never_comes_back_to_a_restarted_shard(
         host.join()
     assert push_all(0, [first, second, silent], [1.0, 2.0, 6.0]) == [pytest.approx(np.full(8, 3.0))] * 3
     silent.membership._watches[0].cancel()  # the first shard sees it go: dropped there alone
-    wait_for_world(first, lambda world: world.members == (first.rank, second.rank))
+    wait_for_world(first, lambda world: world.members == (first.membership.rank, second.membership.rank))
     group.restart(1)
     pushes = [silent.push_pull_async(1, bucket, np.full(4, 100.0, np.float32)) for bucket in (0, 1)]
     for push in pushes:  # refused on both shards: the restarted one asked the first, which dropped it
@@ -267,7 +273,7 @@ def test_a_member_the_first_shard_dropped_never_comes_back_to_a_restarted_shard(
     assert push_all(1, [first, second], [1.0, 3.0]) == [pytest.approx(np.full(8, 2.0))] * 2  # without its 100s
     with group.servers[1].table.jobs.lock:
         (job,) = group.servers[1].table.jobs.all()
-        assert silent.rank not in job.members.joined
+        assert silent.membership.rank not in job.members.joined
 
 
 @pytest.mark.parametrize("shards", [1, 2], ids=["one-shard", "two-shards"])
@@ -304,7 +310,7 @@ def test_the_start_quorums_model_is_the_jobs_not_the_first_hosts(
     means = push_all(0, right[:2], [1.0, 5.0])
     assert all(mean == pytest.approx(np.full(8, 3.0)) for mean in means)
     right[2].join()  # the third right host comes to a job in training: a newcomer, which takes the state first
-    assert right[2].catch_up
+    assert right[2].membership.catch_up
     latecomer = hosts(group.addresses, "run-late", world_size=3, model_signature=ODD)
     with pytest.raises(AggregationError, match="model differs") as error:
         latecomer.join()

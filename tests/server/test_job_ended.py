@@ -135,7 +135,9 @@ def test_a_host_cut_off_while_the_others_finish_learns_the_job_ended_at_its_next
     watch = second.membership._watches[0]
     assert watch is not None
     watch.cancel()  # the second host is cut off: the aggregator drops it, and the first goes on alone
-    wait_until(lambda: table.active_jobs() == {"end": [first.rank]}, "the aggregator to drop the cut-off host", 10.0)
+    wait_until(
+        lambda: table.active_jobs() == {"end": [first.membership.rank]}, "the aggregator to drop the cut-off host", 10.0
+    )
     first.close()  # the first host finishes and leaves: the run has ended
     wait_until(lambda: table.active_jobs() == {}, "the run to end", 10.0)
     with pytest.raises(JobEndedError, match=r"job 'end' .* has finished") as ended:

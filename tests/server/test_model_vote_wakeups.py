@@ -53,7 +53,7 @@ def test_a_waiting_join_is_answered_as_soon_as_the_host_it_disagreed_with_leaves
             assert not waiting.done()
             odd.close()  # nobody disagrees any more: the waiting Join is answered now, not at its deadline
             waiting.result(timeout=15)  # (it would be refused after ~20 s had nothing woken it)
-        assert server.table.active_jobs() == {"vote": [right.rank]}
+        assert server.table.active_jobs() == {"vote": [right.membership.rank]}
     finally:
         odd.close()
         right.close()

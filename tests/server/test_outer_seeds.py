@@ -66,30 +66,31 @@ def host(server: AggregatorServer) -> Iterator[Host]:
 def test_a_seed_fixes_its_keys_size_and_a_push_of_another_is_refused_at_once(host: Host, key: int) -> None:
     only = host(hosts=1)
     start = values(0, 10)
-    assert only.seed_outer(0, key, KEYS, start, None)[0]
+    assert only.membership.seed_outer(0, key, KEYS, start, None)[0]
     error, took = refused(lambda: only.push_pull(0, key, values(1)))
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION and took < AT_ONCE_S
     assert f"a push of key {key} holds 1000 elements; expected 10, the size of key {key} in job 'd'" in error.details
-    error, _ = refused(lambda: only.seed_outer(0, key, KEYS, values(2), None))  # a later seed of another length
+    # A later seed of another length.
+    error, _ = refused(lambda: only.membership.seed_outer(0, key, KEYS, values(2), None))
     assert f"a seed of key {key} holds 1000 elements; expected 10" in error.details
     # A push of the key's size moves the copy: the aggregator's is what the host computes.
     mean = only.push_pull(0, key, values(3, 10))
     parameters, momentum = start.copy(), np.zeros_like(start)
     take_outer_step(parameters, momentum, mean, STEP)
-    assert only.seed_outer(1, key, KEYS, parameters, momentum)[:2] == (True, 1)
+    assert only.membership.seed_outer(1, key, KEYS, parameters, momentum)[:2] == (True, 1)
 
 
 @pytest.mark.parametrize("key", [0, 1])
 def test_a_push_fixes_its_keys_size_and_a_seed_of_another_is_refused(host: Host, key: int) -> None:
     only = host(hosts=1)
     only.push_pull(0, key, values(1))  # before any seed (after a restart, hosts push before they seed)
-    error, took = refused(lambda: only.seed_outer(1, key, KEYS, values(0, 10), None))
+    error, took = refused(lambda: only.membership.seed_outer(1, key, KEYS, values(0, 10), None))
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION and took < AT_ONCE_S
     assert f"a seed of key {key} holds 10 elements; expected 1000, the size of key {key} in job 'd'" in error.details
-    assert only.seed_outer(1, key, KEYS, values(0), None)[0]
+    assert only.membership.seed_outer(1, key, KEYS, values(0), None)[0]
     error, _ = refused(lambda: only.push_pull(1, key, values(1, 10)))
     assert f"a push of key {key} holds 10 elements; expected 1000" in error.details
-    assert only.seed_outer(1, 1 - key, KEYS, values(0), None)[0]
+    assert only.membership.seed_outer(1, 1 - key, KEYS, values(0), None)[0]
     error, _ = refused(lambda: only.push_pull(1, KEYS, values(1)))  # the seeds fixed the keys: 0 and 1
     assert f"a push of round key {KEYS} is one too many for job 'd'" in error.details
 
@@ -124,15 +125,15 @@ def test_a_non_finite_seed_is_refused_naming_the_key_and_index_and_holds_nothing
             return parameters, momentum
 
         held = server.table.budget.in_use
-        error, _ = refused(lambda: first.seed_outer(0, 1, KEYS, *poisoned(0)))  # the job's first seed
+        error, _ = refused(lambda: first.membership.seed_outer(0, 1, KEYS, *poisoned(0)))  # the job's first seed
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT
         assert f"{field} of key 1 holds {bad} at index 3 (2 values not finite)" in error.details
         assert server.table.budget.in_use == held  # nothing held, nothing charged
         good = values(0), values(1)
-        assert first.seed_outer(0, 1, KEYS, *good)[0]
-        error, _ = refused(lambda: second.seed_outer(4, 1, KEYS, *poisoned(4)))  # would replace the copy
+        assert first.membership.seed_outer(0, 1, KEYS, *good)[0]
+        error, _ = refused(lambda: second.membership.seed_outer(4, 1, KEYS, *poisoned(4)))  # would replace the copy
         assert f"{field} of key 1 holds {bad} at index 3" in error.details
-        matched, step, _, _ = second.seed_outer(0, 1, KEYS, *good)  # the copy is the good one still
+        matched, step, _, _ = second.membership.seed_outer(0, 1, KEYS, *good)  # the copy is the good one still
         assert (matched, step) == (True, 0)
     finally:
         for client in clients:
@@ -143,7 +144,7 @@ def test_a_non_finite_seed_is_refused_naming_the_key_and_index_and_holds_nothing
 
 
 def seed_all(client: WorkerClient, step: int, state: list[tuple[np.ndarray, np.ndarray]]) -> list[bool]:
-    return [client.seed_outer(step, key, KEYS, *state[key])[0] for key in range(KEYS)]
+    return [client.membership.seed_outer(step, key, KEYS, *state[key])[0] for key in range(KEYS)]
 
 
 def push_all(client: WorkerClient, step: int, pseudo: list[np.ndarray]) -> list[Future[np.ndarray]]:
@@ -194,7 +195,7 @@ def test_hosts_at_different_outer_rounds_follow_the_newest_and_the_one_behind_ca
             behind_at_once(push_all(a, 5, a_pushes))
         elif order == "newer seed first":
             assert all(seed_all(b, 7, b_state))
-            answers = [a.seed_outer(5, key, KEYS, *a_state[key]) for key in range(KEYS)]
+            answers = [a.membership.seed_outer(5, key, KEYS, *a_state[key]) for key in range(KEYS)]
             assert [(matched, step, theirs) for matched, step, theirs, _ in answers] == [(False, 7, b"")] * KEYS
             behind_at_once(push_all(a, 5, a_pushes))
         elif order == "older pushes before the newer seed":
@@ -211,7 +212,7 @@ def test_hosts_at_different_outer_rounds_follow_the_newest_and_the_one_behind_ca
             assert [f.result(timeout=AT_ONCE_S) is not None for f in b_round] == [True] * KEYS
         # Host A is pending now, as a late host: it waits for the job's state from the aggregator's copy.
         waiting_from = restarted.table.budget.in_use
-        fetched = pool.submit(a.fetch_state)
+        fetched = pool.submit(a.membership.fetch_state)
         wait_until(lambda: restarted.table.budget.in_use >= waiting_from + RELAY_BYTES, "host A to wait for the state")
         expected = []
         if order == "pushes only":  # host B seeds after its round, as a restarted host does: that is the state
@@ -254,14 +255,14 @@ def test_each_outer_key_is_charged_its_entry_and_arrays_and_holds_no_more_on_the
 ) -> None:
     keys, only = 1000, host(hosts=1)
     one = np.ones(1, np.float32)
-    assert only.seed_outer(0, 0, keys, one, None)[0]  # the job's state exists: what follows is per key
+    assert only.membership.seed_outer(0, 0, keys, one, None)[0]  # the job's state exists: what follows is per key
     charged = server.table.budget.in_use
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         for key in range(1, keys):
-            only.seed_outer(0, key, keys, one, None)
+            only.membership.seed_outer(0, key, keys, one, None)
         gc.collect()
         heap = (tracemalloc.get_traced_memory()[0] - before) / (keys - 1)
     finally:

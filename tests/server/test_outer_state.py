@@ -102,11 +102,11 @@ def test_the_aggregator_steps_the_global_state_and_a_joiner_receives_it_with_no_
 ) -> None:
     first, second = host(), host()
     start = values(0)
-    assert first.seed_outer(0, 0, 1, start, None)[0]
-    assert second.seed_outer(0, 0, 1, start, None)[0]  # the same copy: matched
+    assert first.membership.seed_outer(0, 0, 1, start, None)[0]
+    assert second.membership.seed_outer(0, 0, 1, start, None)[0]  # the same copy: matched
     joiner = host()
-    assert joiner.catch_up
-    fetched = ThreadPoolExecutor(1).submit(joiner.fetch_state)
+    assert joiner.membership.catch_up
+    fetched = ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
     wait_until(lambda: server.table.budget.in_use >= RELAY_BYTES, "the joiner to wait for the state", 5.0)
     pseudo = [values(1), values(2)]
     with ThreadPoolExecutor(2) as pool:
@@ -127,9 +127,9 @@ def test_the_aggregator_steps_the_global_state_and_a_joiner_receives_it_with_no_
         assert all(np.array_equal(m.result(timeout=10), mean) for m in means)
     np.testing.assert_allclose(mean, values(3), rtol=1e-6)
     take_outer_step(parameters, momentum, mean, STEP)
-    assert all(c.seed_outer(2, 0, 1, parameters, momentum)[0] for c in (first, second, joiner))
+    assert all(c.membership.seed_outer(2, 0, 1, parameters, momentum)[0] for c in (first, second, joiner))
     # A host whose copy differs is told, and handed the job's.
-    matched, step, theirs, _ = first.seed_outer(2, 0, 1, values(9), momentum)
+    matched, step, theirs, _ = first.membership.seed_outer(2, 0, 1, values(9), momentum)
     assert not matched and step == 2
     np.testing.assert_array_equal(np.frombuffer(theirs, dtype="<f4"), parameters)
 
@@ -146,7 +146,7 @@ def test_every_host_must_name_the_same_outer_step(host: Host, server: Aggregator
         host(None)
     plain = host(None, job="averaging")
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .* has no outer step on the aggregator"):
-        plain.seed_outer(0, 0, 1, values(0), None)
+        plain.membership.seed_outer(0, 0, 1, values(0), None)
 
 
 def test_bad_outer_requests_are_refused_naming_the_field(server: AggregatorServer) -> None:
@@ -191,9 +191,9 @@ def test_a_seed_past_the_memory_budget_is_refused_and_holds_nothing() -> None:
         first = join(hosts=1)
         held = server.table.budget.in_use
         with pytest.raises(AggregationError, match="RESOURCE_EXHAUSTED"):
-            first.seed_outer(0, 0, 1, np.zeros(1 << 18, np.float32), None)  # 2 MiB with its momentum
+            first.membership.seed_outer(0, 0, 1, np.zeros(1 << 18, np.float32), None)  # 2 MiB with its momentum
         assert server.table.budget.in_use == held
-        assert first.seed_outer(0, 0, 1, np.zeros(1 << 14, np.float32), None)[0]  # 128 KiB fits
+        assert first.membership.seed_outer(0, 0, 1, np.zeros(1 << 14, np.float32), None)[0]  # 128 KiB fits
         assert server.table.budget.in_use == held + 2 * (1 << 16) + KEY_ENTRY_BYTES
         for client in clients:
             client.close()

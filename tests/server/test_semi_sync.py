@@ -67,16 +67,16 @@ def test_a_round_closes_on_its_quorum_and_the_late_push_is_merged_into_the_next(
     members = [host(), host(), host()]
     start = ones(0.0)
     for member in members:
-        assert member.seed_outer(0, 0, 1, start, None)[0]
+        assert member.membership.seed_outer(0, 0, 1, start, None)[0]
     fast, slow = members[:2], members[2]
     with ThreadPoolExecutor(2) as pool:  # the third does not push: the round waits the grace window, no more
-        means = [pool.submit(m.push_pull, 0, 0, ones(1.0 + m.rank)) for m in fast]
+        means = [pool.submit(m.push_pull, 0, 0, ones(1.0 + m.membership.rank)) for m in fast]
         assert [f.result(timeout=5).tolist() for f in means] == [[1.5] * 256] * 2
     held = server.table.budget.in_use
     with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: member 2 was late for round .*step=0"):
         slow.push_pull(0, 0, ones(9.0))
     assert server.table.budget.in_use == held + 256 * 4  # its push waits in the key's late stash
-    fetched = ThreadPoolExecutor(1).submit(slow.fetch_state)  # pending: the next boundary sends it the state
+    fetched = ThreadPoolExecutor(1).submit(slow.membership.fetch_state)  # pending: the next boundary sends it the state
     wait_until(lambda: server.table.budget.in_use >= held + RELAY_BYTES, "the late host to wait for the state", 5.0)
     with ThreadPoolExecutor(2) as pool:  # round 1 no longer waits for it, and counts its late push as a member's
         means = [pool.submit(m.push_pull, 1, 0, ones(3.0)) for m in fast]
@@ -90,7 +90,7 @@ def test_a_round_closes_on_its_quorum_and_the_late_push_is_merged_into_the_next(
     np.testing.assert_array_equal(np.frombuffer(received.data, dtype="<f4")[:256], parameters)
     # Admitted at round 2: it is a member again; that round needs all three or the quorum and the grace.
     with ThreadPoolExecutor(3) as pool:
-        means = [pool.submit(m.push_pull, 2, 0, ones(float(m.rank))) for m in members]
+        means = [pool.submit(m.push_pull, 2, 0, ones(float(m.membership.rank))) for m in members]
         assert [f.result(timeout=5).tolist() for f in means] == [[1.0] * 256] * 3
     for member in members:
         member.close()

@@ -164,6 +164,6 @@ def serve_with_worker_variables(tmp_path: Path) -> Iterator[int]:
 def test_a_served_aggregator_ignores_a_workers_variables(serve_with_worker_variables: int) -> None:
     # Bound to GRADQ_BIND_HOST, and no token table: a worker without a token joins.
     with WorkerClient(f"127.0.0.1:{serve_with_worker_variables}", "j", 0, 1, timeout_s=10) as client:
-        assert client.rank == 0
+        assert client.membership.rank == 0
     with grpc.insecure_channel(f"127.0.0.1:{serve_with_worker_variables}") as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
