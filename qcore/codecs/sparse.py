@@ -267,6 +267,25 @@ class SparseCodec(Codec):
         payload = self.payload_of(numel, chunk, topk, counts, kept % chunk, codes)
         return QuantizedArray(self.scheme, CODE_BITS, numel, chunk, lookup, _NO_ZERO_POINTS, payload, dtype, topk)
 
+    def encode_compensated(
+        self,
+        flat: np.ndarray,
+        residual: np.ndarray,
+        config: QuantConfig,
+        rng: np.random.Generator | None,
+        dtype: str,
+    ) -> QuantizedArray:
+        """Error feedback's step with a sparse decode: only the kept entries leave the residual.
+
+        The same bytes and residual as the generic composition, without its dense
+        decode and subtraction (on the aggregator, re-sparsifying a mean: most of its CPU).
+        """
+        np.add(flat, residual, out=residual)
+        encoded = self.encode(residual, config, rng, None, dtype)
+        positions, values = self.entries(encoded)
+        residual[positions] -= values
+        return encoded
+
     @staticmethod
     def payload_of(
         numel: int, chunk: int, topk: int, counts: np.ndarray, indices: np.ndarray, codes: np.ndarray

@@ -37,9 +37,9 @@ def cases() -> list[np.ndarray]:
 
 
 CONFIGS = [
-    QuantConfig("sparse_topk"),
-    QuantConfig("sparse_topk", channel_size=100, topk=7),
-    QuantConfig("sparse_topk", channel_size=33, topk=33),
+    QuantConfig(Scheme.SPARSE_TOPK),
+    QuantConfig(Scheme.SPARSE_TOPK, channel_size=100, topk=7),
+    QuantConfig(Scheme.SPARSE_TOPK, channel_size=33, topk=33),
 ]
 
 
@@ -59,18 +59,21 @@ def test_it_keeps_each_chunks_largest_entries_with_their_signs_and_lookup_means(
 
 
 def test_defaults_are_the_anchors_chunk_and_k_at_under_0_22_bits_per_element() -> None:
-    config = QuantConfig("sparse_topk")
+    config = QuantConfig(Scheme.SPARSE_TOPK)
     assert (config.channel_size, config.topk, index_bits(config.channel_size)) == (DEFAULT_CHUNK, DEFAULT_TOPK, 12)
     x = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)
     encoded = encode(x, config)
     assert encoded.nbytes == wire_size(x.size, config)  # exact when every chunk is full
     assert encoded.nbytes * 8 / x.size <= 0.22
     # bits and channel_size from elsewhere are ignored or refused by name
-    assert QuantConfig("sparse_topk", bits=8).bits == 8 and encode(x[:10], QuantConfig("sparse_topk", bits=8)).bits == 2
+    assert (
+        QuantConfig(Scheme.SPARSE_TOPK, bits=8).bits == 8
+        and encode(x[:10], QuantConfig(Scheme.SPARSE_TOPK, bits=8)).bits == 2
+    )
 
 
 def test_the_size_estimate_bounds_a_chunk_that_keeps_fewer() -> None:
-    config = QuantConfig("sparse_topk", channel_size=256, topk=16)
+    config = QuantConfig(Scheme.SPARSE_TOPK, channel_size=256, topk=16)
     x = np.zeros(1000, np.float32)
     x[[3, 500, 999]] = [1.0, -2.0, 3.0]
     encoded = encode(x, config)
@@ -90,7 +93,7 @@ def test_the_torch_twin_writes_the_same_bytes_and_decodes_the_same_values(config
 
 
 def test_error_feedback_with_decay_is_the_same_on_both_libraries_and_loses_nothing_at_1() -> None:
-    config = QuantConfig("sparse_topk", channel_size=512, topk=8)
+    config = QuantConfig(Scheme.SPARSE_TOPK, channel_size=512, topk=8)
     rng = np.random.default_rng(3)
     steps = [rng.standard_normal(3000).astype(np.float32) for _ in range(4)]
     for decay in (1.0, 0.95):
@@ -103,7 +106,8 @@ def test_error_feedback_with_decay_is_the_same_on_both_libraries_and_loses_nothi
             sent += decode(a)
         residual = numpy_feedback.residual(0)
         assert residual is not None
-        assert np.array_equal(residual, torch_feedback.residual(0).numpy())
+        on_torch = torch_feedback.residual(0)
+        assert on_torch is not None and np.array_equal(residual, on_torch.numpy())
         if decay == 1.0:  # what was sent plus what waits is everything pushed
             assert np.allclose(sent + residual, np.sum(steps, axis=0, dtype=np.float64), atol=1e-4)
     with pytest.raises(ValueError, match=r"error_feedback_decay=1.5 is invalid; expected a number in \(0, 1\]"):
@@ -111,7 +115,7 @@ def test_error_feedback_with_decay_is_the_same_on_both_libraries_and_loses_nothi
 
 
 def test_accumulating_touches_only_the_kept_entries_and_divides_like_the_dense_path() -> None:
-    config = QuantConfig("sparse_topk", channel_size=128, topk=4)
+    config = QuantConfig(Scheme.SPARSE_TOPK, channel_size=128, topk=4)
     rng = np.random.default_rng(5)
     pushes = [encode(rng.standard_normal(1000).astype(np.float32), config) for _ in range(3)]
     total = np.zeros(1000, np.float32)
@@ -128,7 +132,7 @@ def test_accumulating_touches_only_the_kept_entries_and_divides_like_the_dense_p
 
 def test_a_push_survives_the_wire() -> None:
     x = np.random.default_rng(2).standard_normal(10_000).astype(np.float32)
-    encoded = encode(x, QuantConfig("sparse_topk"))
+    encoded = encode(x, QuantConfig(Scheme.SPARSE_TOPK))
     received = tensor_from_proto(pb.QuantizedTensor.FromString(tensor_to_proto(encoded).SerializeToString()))
     assert received.topk == DEFAULT_TOPK and np.array_equal(decode(received), decode(encoded))
 
@@ -139,7 +143,7 @@ def wire(x: np.ndarray, config: QuantConfig) -> pb.QuantizedTensor:
 
 def crafted(numel: int, chunk: int, topk: int, counts: list[int], indices: list[int]) -> pb.QuantizedTensor:
     """A message whose payload holds the given counts and indices (codes 3: positive, high)."""
-    message = wire(np.ones(numel, np.float32), QuantConfig("sparse_topk", channel_size=chunk, topk=topk))
+    message = wire(np.ones(numel, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=chunk, topk=topk))
     codes = np.full(len(indices), 3, np.uint8)
     payload = SparseCodec.payload_of(numel, chunk, topk, np.array(counts), np.array(indices), codes)
     message.payload = payload.tobytes()
@@ -171,12 +175,12 @@ def test_bad_pushes_are_refused_by_name() -> None:
     message.payload = bytes(payload)
     assert "chunk 0's count is 5; expected below 2" in refused(message)
     for bad in (float("nan"), float("inf"), 0.0):
-        message = wire(np.ones(20, np.float32), QuantConfig("sparse_topk", channel_size=10, topk=2))
+        message = wire(np.ones(20, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=10, topk=2))
         lookup = np.frombuffer(message.scale, "<f4").copy()
         lookup[1] = bad
         message.scale = lookup.tobytes()
         assert f"tensor.scale[1]={bad}" in refused(message)
-    message = wire(np.ones(20, np.float32), QuantConfig("sparse_topk", channel_size=10, topk=2))
+    message = wire(np.ones(20, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=10, topk=2))
     for field, value, says in (
         ("topk", 11, "tensor.topk=11 is invalid for SPARSE_TOPK; expected 1..10"),
         ("topk", 0, "tensor.topk=0 is invalid"),
@@ -190,20 +194,20 @@ def test_bad_pushes_are_refused_by_name() -> None:
         setattr(probe, field, value)
         assert says in refused(probe), field
     # another scheme with a topk is refused too
-    dense = wire(np.ones(8, np.float32), QuantConfig("per_channel_affine", bits=4, channel_size=4))
+    dense = wire(np.ones(8, np.float32), QuantConfig(Scheme.PER_CHANNEL_AFFINE, bits=4, channel_size=4))
     dense.topk = 3
     assert "tensor.topk=3 is invalid for PER_CHANNEL_AFFINE; expected 0" in refused(dense)
 
 
 def test_configs_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match=r"topk=65 is invalid for scheme=sparse_topk; expected 1\.\.channel_size=64"):
-        QuantConfig("sparse_topk", channel_size=64, topk=65)
+        QuantConfig(Scheme.SPARSE_TOPK, channel_size=64, topk=65)
     with pytest.raises(ValueError, match="channel_size=70000 is too large for scheme=sparse_topk"):
-        QuantConfig("sparse_topk", channel_size=70_000)
+        QuantConfig(Scheme.SPARSE_TOPK, channel_size=70_000)
     with pytest.raises(ValueError, match="topk=4 is only for scheme=sparse_topk; expected 0 for scheme=per_channel_"):
-        QuantConfig("per_channel_affine", topk=4)
+        QuantConfig(Scheme.PER_CHANNEL_AFFINE, topk=4)
     with pytest.raises(ValueError, match="topk=-1 is invalid"):
-        QuantConfig("sparse_topk", topk=-1)
-    assert QuantConfig("sparse_topk", channel_size=16).topk == 16  # a short chunk keeps all of itself by default
+        QuantConfig(Scheme.SPARSE_TOPK, topk=-1)
+    assert QuantConfig(Scheme.SPARSE_TOPK, channel_size=16).topk == 16  # a short chunk keeps all of itself by default
     with pytest.raises(ValueError, match=r"x\[5\]=nan cannot be encoded"):
-        encode(np.array([0, 1, 2, 3, 4, np.nan], np.float32), QuantConfig("sparse_topk"))
+        encode(np.array([0, 1, 2, 3, 4, np.nan], np.float32), QuantConfig(Scheme.SPARSE_TOPK))
