@@ -16,20 +16,32 @@ from torch import nn
 
 from gradq.client.config import GradqConfig
 from gradq.client.diloco.fragments import FragmentSchedule
+from gradq.qcore import QuantConfig, codec_for
 from gradq.qcore.outer_step import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 
-__all__ = ["OUTER_STEP_PLACES", "DiLoCoOptions", "check_outer_optimizer", "default_outer_optimizer"]
+__all__ = ["OUTER_STEP_PLACES", "SPARSE_OUTER_LR", "DiLoCoOptions", "check_outer_optimizer", "default_outer_optimizer"]
 
 OUTER_STEP_PLACES = ("aggregator", "hosts")  # where the outer step runs (see gradq.client.diloco)
 
 
-def default_outer_optimizer(parameters: Iterator[nn.Parameter] | Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+# The outer lr of sparse pseudo-gradients (sparse_topk with error feedback): chosen on bench/sparse_diloco.py's
+# two tuning tasks from 0.3-1.0, with and without momentum; its figures are in docs/diloco.md.
+SPARSE_OUTER_LR = 0.7
+
+
+def default_outer_optimizer(
+    parameters: Iterator[nn.Parameter] | Sequence[nn.Parameter], quant: QuantConfig | None = None
+) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer unless the user brings one: SGD, lr 0.3, momentum 0.9, Nesterov.
 
     Not torchtitan's lr 0.7, which lost up to 62% held-out loss where 0.3 lost at most 4%
-    (gradq.qcore.outer_step.DEFAULT_OUTER_LR says on what).
+    (gradq.qcore.outer_step.DEFAULT_OUTER_LR says on what). Sparse pseudo-gradients
+    (``quant`` a sparse scheme) take ``SPARSE_OUTER_LR``: a mean that carries 1.6% of
+    the entries each round moves the parameters less per round.
     """
-    return torch.optim.SGD(parameters, lr=DEFAULT_OUTER_LR, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
+    sparse = quant is not None and codec_for(quant.scheme).sparse
+    lr = SPARSE_OUTER_LR if sparse else DEFAULT_OUTER_LR
+    return torch.optim.SGD(parameters, lr=lr, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,16 @@ class DiLoCoOptions:
             sharded: the model is an FSDP2 module (each rank holds its own shards).
 
         Raises:
-            ValueError: ``elastic_hosts`` unset, ``outer_step="hosts"`` with an FSDP2 model, or an
-                adaptive bit policy with the outer step on the aggregator.
+            ValueError: ``elastic_hosts`` unset, ``outer_step="hosts"`` with an FSDP2 model, an
+                adaptive bit policy with the outer step on the aggregator, or a sparse scheme
+                without error feedback.
         """
+        if codec_for(config.quant.scheme).sparse and not config.error_feedback:
+            raise ValueError(
+                f"scheme={config.quant.scheme.name.lower()} without error feedback: each round sends "
+                f"{config.quant.topk} of every {config.quant.channel_size} entries and the rest would never "
+                "arrive; set error_feedback=True (GRADQ_ERROR_FEEDBACK=1)"
+            )
         if not config.elastic_hosts:
             raise ValueError(
                 "elastic_hosts=0: DiLoCo's hosts are the members of an elastic job; set elastic_hosts "

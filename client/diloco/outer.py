@@ -57,7 +57,7 @@ class DiLoCo:
         model: this host's model (a DDP module inside a host of several ranks).
         inner_optimizer: the optimizer of the local steps; every ``sync_every``
             of its steps end with an outer round.
-        outer_optimizer: over ``model``'s parameters; None: ``default_outer_optimizer``.
+        outer_optimizer: over ``model``'s parameters; None: ``default_outer_optimizer`` (for ``config.quant``).
         process_group: the host's ranks (None: the default group of its own launch;
             a host of one process started without a launcher needs none).
         sync_every, bucket_elements, outer_step, quorum, grace_s, fragments, fragment_sync_delay,
@@ -107,7 +107,7 @@ class DiLoCo:
         self.options.check_against(config, self.sharded)
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
         self.parameters = [param for param in model.parameters() if param.requires_grad]
-        self.outer_optimizer = outer_optimizer or default_outer_optimizer(self.parameters)
+        self.outer_optimizer = outer_optimizer or default_outer_optimizer(self.parameters, config.quant)
         check_outer_optimizer(self.outer_optimizer, self.parameters)
         self.sync_every, self.process_group = sync_every, process_group
         self.schedule = self.options.schedule()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradq.client.elastic import JobWorld
 from gradq.client.stats import ClientStats
+from gradq.qcore import codec_for
 
 if TYPE_CHECKING:
     from gradq.client.config import GradqConfig
@@ -98,13 +99,18 @@ class SessionEvents:
             place = f"elastic, member {host.host}, starts with {config.elastic_hosts} hosts"
         else:
             place = f"fixed, {host.hosts} member(s)"
+        codec = codec_for(quant.scheme)
+        if codec.sparse:  # what is kept of each chunk, not bits per element, says what it sends
+            grid = f"top {quant.topk} of every {quant.channel_size} entries"
+        else:
+            grid = f"at {codec.wire_bits(quant)} bits"
         log.info(
-            "connected to aggregator %s: job %s (%s), %s at %d bits, error feedback %s",
+            "connected to aggregator %s: job %s (%s), %s %s, error feedback %s",
             ",".join(config.addresses),
             self.job_id,
             place,
             quant.scheme.name.lower(),
-            quant.bits,
+            grid,
             "on" if config.error_feedback else "off",
         )
 

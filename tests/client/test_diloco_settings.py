@@ -89,6 +89,24 @@ def test_the_default_outer_optimizer_is_sgd_at_lr_0_3_whatever_the_number_of_hos
         assert outer_step_of(diloco.outer_optimizer) == OuterStep(lr=0.3, momentum=0.9, nesterov=True)
 
 
+def test_sparse_pseudo_gradients_need_error_feedback_and_default_to_the_sparse_outer_lr() -> None:
+    from gradq.client.config import GradqConfig
+    from gradq.client.diloco import DiLoCo
+    from gradq.qcore import QuantConfig, Scheme
+
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters())
+    sparse = QuantConfig(Scheme.SPARSE_TOPK)
+    without = GradqConfig.of("127.0.0.1:1", job_id="j", elastic_hosts=2, quant=sparse)
+    with pytest.raises(ValueError, match=re.escape("scheme=sparse_topk without error feedback: each round sends 64")):
+        DiLoCo(without, model, inner)
+    diloco = DiLoCo(
+        GradqConfig.of("127.0.0.1:1", job_id="j", elastic_hosts=2, quant=sparse, error_feedback=True), model, inner
+    )
+    group = diloco.outer_optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True), group
+
+
 def test_token_counts_are_checked_and_only_a_token_weighted_host_takes_them() -> None:
     from gradq.client.config import GradqConfig
     from gradq.client.diloco import DiLoCo

@@ -19,6 +19,7 @@ from test_diloco import (
     EXAMPLE,
     REPO,
     RUN_TIMEOUT_S,
+    SPARSE,
     SYNC_EVERY,
     StartAggregator,
     assert_identical,
@@ -43,7 +44,14 @@ def shards(start_aggregator: StartAggregator) -> list[AggregatorServer]:
     return [start_aggregator(SHARD_POLICY), start_aggregator(SHARD_POLICY)]
 
 
-def start(shards: list[AggregatorServer], job_id: str, seed: int, out: Path, *args: str) -> subprocess.Popen[bytes]:
+def start(
+    shards: list[AggregatorServer],
+    job_id: str,
+    seed: int,
+    out: Path,
+    *args: str,
+    variables: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "GRADQ_AGGREGATORS": ",".join(f"127.0.0.1:{server.port}" for server in shards),
@@ -52,6 +60,7 @@ def start(shards: list[AggregatorServer], job_id: str, seed: int, out: Path, *ar
         "GRADQ_BITS": "4",
         "GRADQ_ERROR_FEEDBACK": "1",
         "OMP_NUM_THREADS": "1",
+        **(variables or {}),
     }
     command = [sys.executable, str(EXAMPLE), "--data-seed", str(seed), "--sync-every", str(SYNC_EVERY)]
     command += ["--bucket-elements", str(BUCKET_ELEMENTS), "--report", str(out), *args]
@@ -59,13 +68,24 @@ def start(shards: list[AggregatorServer], job_id: str, seed: int, out: Path, *ar
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
+@pytest.mark.parametrize("variables", [{}, SPARSE], ids=["4-bit", "sparse"])
 def test_two_shards_each_keep_their_keys_and_the_hosts_stay_bit_identical(
-    shards: list[AggregatorServer], tmp_path: Path
+    shards: list[AggregatorServer], tmp_path: Path, variables: dict[str, str]
 ) -> None:
     rounds = 4
     # The hosts start from different weights: every shard's first seed is the job's, and the others adopt it.
     processes = [
-        start(shards, "diloco-shards", seed, tmp_path, "--rounds", str(rounds), "--init-seed", str(seed))
+        start(
+            shards,
+            "diloco-shards",
+            seed,
+            tmp_path,
+            "--rounds",
+            str(rounds),
+            "--init-seed",
+            str(seed),
+            variables=variables,
+        )
         for seed in range(2)
     ]
     hosts = finish(processes, tmp_path, range(2))
