@@ -367,7 +367,8 @@ def test_an_aggregator_gone_for_good_is_reported_unreachable_long_before_the_rpc
     with pytest.raises(AggregationError, match=r"UNAVAILABLE|DEADLINE_EXCEEDED") as caught:
         client.push_pull(1, 0, np.ones(4, np.float32))
     waited = time.monotonic() - started
-    assert waited < 2.0 + 1.0, waited  # the rejoin's patience plus the first backoff, not the 120 s deadline
+    # The rejoin's patience (2 s) plus a backoff, not the 120 s deadline; the margin is for a loaded machine.
+    assert waited < 20.0, waited
     assert caught.value.address == address
     assert re.search(r"unreachable: tried for \d+\.\d s \(2 attempts", caught.value.details), caught.value.details
     client.close()
