@@ -36,6 +36,7 @@ lookup bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +51,7 @@ __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_TOPK",
     "LARGEST_CHUNK",
+    "SMALLEST_CHUNK",
     "SparseCodec",
     "SparseLayout",
     "index_bits",
@@ -71,6 +73,11 @@ _NO_ZERO_POINTS = np.empty(0, np.int32)
 _NO_ZERO_POINTS.flags.writeable = False
 # Rows of chunks selected at once: bounds the temporaries of one encode to about 16 MiB.
 _ROWS_PER_BLOCK_ELEMENTS = 1 << 20
+# Kept entries read, checked and added at once: bounds a decode's temporaries (a few MiB) whatever
+# ``topk`` a push claims, so a push can make the aggregator allocate no more than its dense sum.
+_ENTRIES_PER_BLOCK = 1 << 16
+# A chunk's bookkeeping (its flag, count and length) must cost less than its elements' float32 sum.
+SMALLEST_CHUNK = 64
 
 
 def index_bits(chunk: int) -> int:
@@ -79,22 +86,38 @@ def index_bits(chunk: int) -> int:
 
 
 def pack_fixed(values: np.ndarray, width: int) -> np.ndarray:
-    """Pack non-negative integers below ``2**width`` (width 1..16) densely, LSB first, into bytes."""
-    shifts = np.arange(width, dtype=np.uint32)
-    bits = ((values.astype(np.uint32)[:, None] >> shifts) & 1).astype(np.uint8)
-    return np.packbits(bits.reshape(-1), bitorder="little")
+    """Pack non-negative integers below ``2**width`` (width 1..16) densely, LSB first, into bytes.
+
+    Packed ``_ENTRIES_PER_BLOCK`` values at a time (a multiple of 8, so each block
+    ends on a byte): the temporaries stay a few MiB however many values there are.
+    """
+    parts = []
+    for first in range(0, values.size, _ENTRIES_PER_BLOCK):
+        block = values[first : first + _ENTRIES_PER_BLOCK].astype(np.uint32)
+        bits = np.empty((block.size, width), np.uint8)
+        for bit in range(width):
+            bits[:, bit] = (block >> bit) & 1
+        parts.append(np.packbits(bits.reshape(-1), bitorder="little"))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
-def unpack_fixed(data: np.ndarray, width: int, count: int) -> np.ndarray:
-    """Inverse of ``pack_fixed``: ``count`` integers of ``width`` bits, as int64."""
-    bits = np.unpackbits(data, count=count * width, bitorder="little").reshape(count, width)
-    return (bits.astype(np.int64) << np.arange(width, dtype=np.int64)).sum(axis=1)
+def unpack_fixed(data: np.ndarray, width: int, count: int, first: int = 0) -> np.ndarray:
+    """Inverse of ``pack_fixed``: values ``first .. first + count`` of the stream, as int64."""
+    start_bit = first * width
+    low = start_bit // 8
+    high = (start_bit + count * width + 7) // 8
+    skip = start_bit - 8 * low
+    bits = np.unpackbits(data[low:high], bitorder="little")[skip : skip + count * width].reshape(count, width)
+    values = np.zeros(count, np.int64)
+    for bit in range(width):
+        values |= bits[:, bit].astype(np.int64) << bit
+    return values
 
 
 class SparseLayout(NamedTuple):
     """Where each part of a payload lies, and what the counts say (from ``SparseCodec.layout``)."""
 
-    counts: np.ndarray  # int64, entries kept by each chunk
+    counts: np.ndarray  # int32, entries kept by each chunk
     index_bits: int
     indices: slice  # of the payload
     codes: slice
@@ -102,7 +125,7 @@ class SparseLayout(NamedTuple):
 
 def _chunk_lengths(numel: int, chunk: int) -> np.ndarray:
     """Each chunk's length: ``chunk``, the last one what is left."""
-    lengths = np.full(channel_count(numel, chunk), chunk, np.int64)
+    lengths = np.full(channel_count(numel, chunk), chunk, np.int32)
     if numel % chunk:
         lengths[-1] = numel % chunk
     return lengths
@@ -205,11 +228,11 @@ class SparseCodec(Codec):
         return channel_size
 
     def check_config(self, config: QuantConfig) -> None:
-        """A chunk up to ``LARGEST_CHUNK`` and ``1 <= topk <= chunk``."""
-        if config.channel_size > LARGEST_CHUNK:
+        """A chunk of ``SMALLEST_CHUNK`` to ``LARGEST_CHUNK`` elements and ``1 <= topk <= chunk``."""
+        if not SMALLEST_CHUNK <= config.channel_size <= LARGEST_CHUNK:
             raise ValueError(
-                f"channel_size={config.channel_size} is too large for scheme={self.name}; expected a chunk of at "
-                f"most {LARGEST_CHUNK} elements"
+                f"channel_size={config.channel_size} is invalid for scheme={self.name}; expected a chunk of "
+                f"{SMALLEST_CHUNK}..{LARGEST_CHUNK} elements"
             )
         if not 1 <= config.topk <= config.channel_size:
             raise ValueError(
@@ -282,8 +305,8 @@ class SparseCodec(Codec):
         """
         np.add(flat, residual, out=residual)
         encoded = self.encode(residual, config, rng, None, dtype)
-        positions, values = self.entries(encoded)
-        residual[positions] -= values
+        for positions, values in self.entry_blocks(encoded):
+            residual[positions] -= values
         return encoded
 
     @staticmethod
@@ -344,47 +367,61 @@ class SparseCodec(Codec):
             counts, width, slice(counts_end, counts_end + index_bytes), slice(counts_end + index_bytes, expected)
         )
 
-    def entries(self, q: QuantizedArray, field: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
-        """(positions in the array, decoded float32 values) of the kept entries, positions increasing.
+    def entry_blocks(self, q: QuantizedArray, field: str = "tensor") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(positions in the array, decoded float32 values) of the kept entries, a block of chunks at a time.
+
+        Each block holds whole chunks and at most ``_ENTRIES_PER_BLOCK`` entries
+        (or one chunk), so reading a push costs a few MiB whatever it claims.
+        Positions increase within and across blocks.
 
         Raises:
             ValueError: the payload's layout is off, or an index is out of its chunk or not increasing.
         """
         layout = self.layout(field, q.numel, q.channel_size, q.topk, q.payload)
-        kept = int(layout.counts.sum())
-        indices = unpack_fixed(q.payload[layout.indices], layout.index_bits, kept)
-        codes = unpack_fixed(q.payload[layout.codes], CODE_BITS, kept)
-        chunk_of = np.repeat(np.arange(layout.counts.size, dtype=np.int64), layout.counts)
+        indices_bytes, codes_bytes = q.payload[layout.indices], q.payload[layout.codes]
         lengths = _chunk_lengths(q.numel, q.channel_size)
-        outside = np.flatnonzero(indices >= lengths[chunk_of])
-        if outside.size:
-            entry = int(outside[0])
-            raise ValueError(
-                f"{field}: entry {entry}'s index {int(indices[entry])} is outside chunk {int(chunk_of[entry])} of "
-                f"{int(lengths[chunk_of[entry]])} elements"
-            )
-        positions = chunk_of * q.channel_size + indices
-        unordered = np.flatnonzero(np.diff(positions) <= 0)
-        if unordered.size:
-            entry = int(unordered[0]) + 1
-            raise ValueError(
-                f"{field}: entry {entry}'s index {int(indices[entry])} in chunk {int(chunk_of[entry])} does not "
-                f"follow the one before it; expected indices increasing within a chunk, none repeated"
-            )
-        magnitudes = q.scale[codes]
-        values = np.where(codes >= 2, magnitudes, -magnitudes).astype(np.float32, copy=False)
-        return positions, values
+        ends = np.cumsum(layout.counts)  # entries up to the end of each chunk
+        chunk, entry, chunks = 0, 0, layout.counts.size
+        while chunk < chunks:
+            stop = max(chunk + 1, int(np.searchsorted(ends, entry + _ENTRIES_PER_BLOCK, side="right")))
+            count = int(ends[stop - 1]) - entry
+            indices = unpack_fixed(indices_bytes, layout.index_bits, count, entry)
+            codes = unpack_fixed(codes_bytes, CODE_BITS, count, entry)
+            chunk_of = np.repeat(np.arange(chunk, stop, dtype=np.int64), layout.counts[chunk:stop])
+            outside = np.flatnonzero(indices >= lengths[chunk_of])
+            if outside.size:
+                at = int(outside[0])
+                raise ValueError(
+                    f"{field}: entry {entry + at}'s index {int(indices[at])} is outside chunk {int(chunk_of[at])} of "
+                    f"{int(lengths[chunk_of[at]])} elements"
+                )
+            positions = chunk_of * q.channel_size + indices
+            unordered = np.flatnonzero(np.diff(positions) <= 0)  # across chunks they increase by construction
+            if unordered.size:
+                at = int(unordered[0]) + 1
+                raise ValueError(
+                    f"{field}: entry {entry + at}'s index {int(indices[at])} in chunk {int(chunk_of[at])} does not "
+                    f"follow the one before it; expected indices increasing within a chunk, none repeated"
+                )
+            magnitudes = q.scale[codes]
+            yield positions, np.where(codes >= 2, magnitudes, -magnitudes).astype(np.float32, copy=False)
+            chunk, entry = stop, entry + count
+
+    def entries(self, q: QuantizedArray, field: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
+        """Every kept entry's position and decoded value (``entry_blocks`` joined), positions increasing."""
+        blocks = list(self.entry_blocks(q, field))
+        if not blocks:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return np.concatenate([p for p, _ in blocks]), np.concatenate([v for _, v in blocks])
 
     def dequantize(self, q: QuantizedArray, out: np.ndarray, accumulate: bool, divisor: int) -> None:
-        """``out (+)= decode(q)``: only the kept entries are touched (no dense temporary), then ``/ divisor``."""
-        positions, values = self.entries(q)
-        if accumulate:
-            out[positions] += values  # positions are distinct: one add each
-            if divisor != 1:
-                np.divide(out, np.float32(divisor), out=out)
-        else:
+        """``out (+)= decode(q)``: only the kept entries are touched, a block at a time, then ``/ divisor``."""
+        if not accumulate:
             out[:] = 0
-            out[positions] = values
+        for positions, values in self.entry_blocks(q):
+            out[positions] += values  # positions are distinct: one add each
+        if accumulate and divisor != 1:
+            np.divide(out, np.float32(divisor), out=out)
 
     # -- untrusted input ---------------------------------------------------------------------------
 
@@ -415,15 +452,17 @@ class SparseCodec(Codec):
             raise ValueError(f"{field}.scale[{index}]={float(lookup[index])} is invalid; expected a finite number > 0")
         levels = np.frombuffer(payload, np.uint8)
         q = QuantizedArray(self.scheme, bits, numel, channel_size, lookup, _NO_ZERO_POINTS, levels, dtype, topk)
-        self.entries(q, field)  # every index checked here, not in the middle of a sum
+        for _ in self.entry_blocks(q, field):  # every index checked here, not in the middle of a sum
+            pass
         return q
 
     def _check_header(self, field: str, bits: int, numel: int, channel_size: int) -> None:
         if bits != CODE_BITS:
             raise ValueError(f"{field}.bits={bits} is invalid for {self.scheme.name}; expected {CODE_BITS}")
-        if not 1 <= channel_size <= LARGEST_CHUNK:
+        if not SMALLEST_CHUNK <= channel_size <= LARGEST_CHUNK:
             raise ValueError(
-                f"{field}.channel_size={channel_size} is invalid; expected 1..{LARGEST_CHUNK} for {self.scheme.name}"
+                f"{field}.channel_size={channel_size} is invalid; expected {SMALLEST_CHUNK}..{LARGEST_CHUNK} "
+                f"for {self.scheme.name}"
             )
 
     def _check_values(self, field: str, bits: int, zero_point: np.ndarray, payload: np.ndarray) -> None:

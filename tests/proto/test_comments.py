@@ -49,7 +49,7 @@ def scheme_comment(scheme: Scheme) -> str:
 def header(scheme: Scheme, bits: int, zero_points: np.ndarray | None = None) -> pb.QuantizedTensor:
     """A valid 8-element, 2-channel wire tensor of ``scheme``, optionally with other zero points."""
     codec = codec_for(scheme)
-    config = QuantConfig(scheme=scheme, bits=bits, channel_size=4)
+    config = QuantConfig(scheme=scheme, bits=bits, channel_size=64 if codec.sparse else 4)  # sparse: >= 64
     message = tensor_to_proto(encode(np.linspace(-1.0, 1.0, 8, dtype=np.float32), config))
     assert message.bits == codec.wire_bits(config)
     if zero_points is not None:

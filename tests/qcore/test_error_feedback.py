@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from gradq.qcore import ErrorFeedback, QuantConfig, Rounding, Scheme, decode, encode
 from gradq.qcore.codecs import Codec, codec_for
+from gradq.qcore.codecs.sparse import SMALLEST_CHUNK
 
 # One float32 rounding: relative error at most 2**-24.
 UNIT_ROUNDOFF = 2.0**-24
@@ -114,6 +115,7 @@ def test_fused_step_is_byte_for_byte_the_composition_of_encode_and_decode(
     seed: int, numel: int, channel_size: int, bits: int, scheme: Scheme, rounding: Rounding
 ) -> None:
     bits = max(bits, 2) if scheme in (Scheme.PER_TENSOR_SYMMETRIC, Scheme.PER_CHANNEL_SYMMETRIC) else bits
+    channel_size = max(channel_size, SMALLEST_CHUNK) if codec_for(scheme).sparse else channel_size
     config = QuantConfig(scheme=scheme, bits=bits, channel_size=channel_size, rounding=rounding, seed=seed)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(numel) * 10.0 ** rng.integers(-6, 3)).astype(np.float32)

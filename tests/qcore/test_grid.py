@@ -23,6 +23,7 @@ from gradq.qcore import (
     wire_size,
 )
 from gradq.qcore.codecs import codec_for
+from gradq.qcore.codecs.sparse import SMALLEST_CHUNK
 from gradq.qcore.codecs.uniform import UniformCodec
 
 # The integer grids: the scaled sign (tests/qcore/test_sign_codec.py) has levels of its own.
@@ -192,6 +193,7 @@ def test_non_finite_input_is_rejected_naming_the_index(
     x = np.linspace(-1.0, 1.0, numel, dtype=np.float32)
     x[index] = bad
 
+    channel_size = max(channel_size, SMALLEST_CHUNK) if codec_for(scheme).sparse else channel_size
     with pytest.raises(ValueError, match=re.escape(f"x[{index}]=")):
         encode(x, QuantConfig(scheme=scheme, bits=4, channel_size=channel_size))
 

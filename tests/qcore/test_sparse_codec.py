@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +41,7 @@ def cases() -> list[np.ndarray]:
 CONFIGS = [
     QuantConfig(Scheme.SPARSE_TOPK),
     QuantConfig(Scheme.SPARSE_TOPK, channel_size=100, topk=7),
-    QuantConfig(Scheme.SPARSE_TOPK, channel_size=33, topk=33),
+    QuantConfig(Scheme.SPARSE_TOPK, channel_size=64, topk=64),
 ]
 
 
@@ -157,35 +159,36 @@ def refused(message: pb.QuantizedTensor) -> str:
 
 
 def test_bad_pushes_are_refused_by_name() -> None:
-    assert tensor_from_proto(crafted(20, 10, 2, [2, 1], [3, 7, 0]))  # a well-formed one passes
-    assert "entry 1's index 3 in chunk 0 does not follow" in refused(crafted(20, 10, 2, [2, 2], [3, 3, 0, 1]))
-    assert "entry 1's index 2 in chunk 0 does not follow" in refused(crafted(20, 10, 2, [2, 2], [3, 2, 0, 1]))
-    assert "entry 2's index 12 is outside chunk 1 of 10 elements" in refused(crafted(20, 10, 2, [2, 2], [3, 5, 12, 1]))
-    assert "index 9 is outside chunk 1 of 5 elements" in refused(crafted(15, 10, 2, [2, 2], [0, 1, 2, 9]))
-    short = crafted(20, 10, 2, [2, 2], [3, 5, 0, 1])
+    assert tensor_from_proto(crafted(128, 64, 2, [2, 1], [3, 7, 0]))  # a well-formed one passes
+    assert "entry 1's index 3 in chunk 0 does not follow" in refused(crafted(128, 64, 2, [2, 2], [3, 3, 0, 1]))
+    assert "entry 1's index 2 in chunk 0 does not follow" in refused(crafted(128, 64, 2, [2, 2], [3, 2, 0, 1]))
+    assert "entry 2's index 40 is outside chunk 1 of 36 elements" in refused(crafted(100, 64, 2, [2, 2], [3, 5, 40, 1]))
+    assert "index 9 is outside chunk 1 of 5 elements" in refused(crafted(69, 64, 2, [2, 2], [0, 1, 2, 9]))
+    short = crafted(128, 64, 2, [2, 2], [3, 5, 0, 1])
     short.payload = short.payload[:-1]
     assert "payload has" in refused(short) and "expected" in refused(short)
-    long = crafted(20, 10, 2, [2, 2], [3, 5, 0, 1])
+    long = crafted(128, 64, 2, [2, 2], [3, 5, 0, 1])
     long.payload += b"\0"
     assert "payload has" in refused(long)
     # a chunk flagged partial whose count is not below its full count
-    message = crafted(20, 10, 2, [1, 2], [3, 0, 1])
+    message = crafted(128, 64, 2, [1, 2], [3, 0, 1])
     payload = bytearray(message.payload)
     payload[1:3] = (5).to_bytes(2, "little")
     message.payload = bytes(payload)
     assert "chunk 0's count is 5; expected below 2" in refused(message)
     for bad in (float("nan"), float("inf"), 0.0):
-        message = wire(np.ones(20, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=10, topk=2))
+        message = wire(np.ones(128, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=64, topk=2))
         lookup = np.frombuffer(message.scale, "<f4").copy()
         lookup[1] = bad
         message.scale = lookup.tobytes()
         assert f"tensor.scale[1]={bad}" in refused(message)
-    message = wire(np.ones(20, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=10, topk=2))
+    message = wire(np.ones(128, np.float32), QuantConfig(Scheme.SPARSE_TOPK, channel_size=64, topk=2))
     for field, value, says in (
-        ("topk", 11, "tensor.topk=11 is invalid for SPARSE_TOPK; expected 1..10"),
+        ("topk", 65, "tensor.topk=65 is invalid for SPARSE_TOPK; expected 1..64"),
         ("topk", 0, "tensor.topk=0 is invalid"),
         ("bits", 4, "tensor.bits=4 is invalid for SPARSE_TOPK; expected 2"),
-        ("channel_size", 1 << 17, "tensor.channel_size=131072 is invalid; expected 1..65536"),
+        ("channel_size", 32, "tensor.channel_size=32 is invalid; expected 64..65536"),
+        ("channel_size", 1 << 17, "tensor.channel_size=131072 is invalid; expected 64..65536"),
         ("zero_point", b"\0\0\0\0", "tensor.zero_point has 4 bytes; expected 0"),
         ("scale", b"\0" * 12, "tensor.scale has 12 bytes; expected 16"),
     ):
@@ -202,12 +205,32 @@ def test_bad_pushes_are_refused_by_name() -> None:
 def test_configs_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match=r"topk=65 is invalid for scheme=sparse_topk; expected 1\.\.channel_size=64"):
         QuantConfig(Scheme.SPARSE_TOPK, channel_size=64, topk=65)
-    with pytest.raises(ValueError, match="channel_size=70000 is too large for scheme=sparse_topk"):
+    with pytest.raises(ValueError, match=r"channel_size=70000 is invalid for scheme=sparse_topk; expected a chunk"):
         QuantConfig(Scheme.SPARSE_TOPK, channel_size=70_000)
     with pytest.raises(ValueError, match="topk=4 is only for scheme=sparse_topk; expected 0 for scheme=per_channel_"):
         QuantConfig(Scheme.PER_CHANNEL_AFFINE, topk=4)
     with pytest.raises(ValueError, match="topk=-1 is invalid"):
         QuantConfig(Scheme.SPARSE_TOPK, topk=-1)
-    assert QuantConfig(Scheme.SPARSE_TOPK, channel_size=16).topk == 16  # a short chunk keeps all of itself by default
+    assert QuantConfig(Scheme.SPARSE_TOPK, channel_size=64).topk == 64  # the smallest chunk keeps all of itself
     with pytest.raises(ValueError, match=r"x\[5\]=nan cannot be encoded"):
         encode(np.array([0, 1, 2, 3, 4, np.nan], np.float32), QuantConfig(Scheme.SPARSE_TOPK))
+
+
+@pytest.mark.parametrize(("chunk", "topk"), [(4096, 4096), (64, 64)], ids=["every-entry-kept", "smallest-chunks"])
+def test_reading_and_summing_a_push_allocates_less_than_its_dense_sum(chunk: int, topk: int) -> None:
+    # A push may claim as many entries as its chunks hold, or the smallest chunks: still it costs the
+    # aggregator less memory to check and add than the float32 sum it is added to.
+    numel = 1 << 22
+    message = wire(
+        np.random.default_rng(4).standard_normal(numel).astype(np.float32),
+        QuantConfig(Scheme.SPARSE_TOPK, channel_size=chunk, topk=topk),
+    )
+    total = np.zeros(numel, np.float32)
+    tracemalloc.start()
+    try:
+        decode_accumulate(tensor_from_proto(message), total)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * numel, peak
+    assert np.count_nonzero(total) == numel  # every entry was kept and added

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from gradq.client import WorkerClient
 from gradq.proto.convert import tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.qcore import QuantConfig, Scheme, encode
+from gradq.qcore import QuantConfig, Scheme, codec_for, encode
+from gradq.qcore.codecs.sparse import SMALLEST_CHUNK
 from gradq.server.app import AggregatorServer, ServerOptions
 from gradq.server.policy import RoundPolicy
 
@@ -54,7 +55,9 @@ def tensors(draw: st.DrawFn) -> pb.QuantizedTensor:
     """Start from a valid tensor, then break any subset of its fields."""
     numel = draw(st.integers(0, 300))
     scheme = draw(st.sampled_from(list(Scheme)))
-    config = QuantConfig(scheme=scheme, bits=draw(st.integers(2, 8)), channel_size=draw(st.integers(1, 64)))
+    chunk = draw(st.integers(1, 64))
+    chunk = SMALLEST_CHUNK if codec_for(scheme).sparse else chunk  # a sparse chunk is at least that
+    config = QuantConfig(scheme=scheme, bits=draw(st.integers(2, 8)), channel_size=chunk)
     message = tensor_to_proto(encode(np.random.default_rng(numel).normal(size=numel).astype(np.float32), config))
     special = st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 1e-45, 3e38])
     mutations = {
