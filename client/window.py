@@ -160,6 +160,11 @@ class PathEstimate:
     def sent(self, ahead: int = 0) -> tuple[float, int, bool]:
         """What to remember of a push going out with ``ahead`` others out: (now, bytes answered so far, probes)."""
         now = self._clock()
+        if ahead == 0:
+            # Nothing of this client's is on the path, so no queue of its making stands there: the late
+            # answers of the last burst (a round's pushes wait for the other hosts' too) say nothing of the
+            # next one, which would otherwise start an idle spell later at one product instead of two.
+            self._recent.clear()
         if self._probe_since is None and self._min_rtt and now - self._min_rtt_at > _FILTER_S:
             self._probe_since, self._probe_min, self.draining = now, math.inf, ahead > 0
         # With at most one push ahead of it a push's round trip holds no standing queue of this client's.

@@ -146,6 +146,24 @@ def test_a_round_after_an_idle_minute_starts_at_the_window_the_last_one_ended_wi
     assert path.window.window_bytes(0) >= 0.9 * grown  # the fresh shortest round trip is the path's
 
 
+def test_a_queue_seen_at_the_end_of_a_round_does_not_halve_the_next_round_after_an_idle_spell() -> None:
+    path = SimulatedPath(rate=125e6, rtt=0.1)
+    path.run(until=5.0)
+    grown = path.window.window_bytes(0)
+    # The round's last answers all come late (they waited for the other hosts' pushes): read as a queue.
+    path.rtt = 0.4
+    path.run(until=5.6)
+    assert path.window.path(0).queueing
+    path.backlog = False
+    path.window.drain(0)
+    path.run(until=10.0)
+    assert path.window.in_flight(0) == (0, 0)
+    path.now, path.rtt, path.backlog = 70.0, 0.1, True  # a minute of compute; nothing was on the path
+    path._submit()
+    assert not path.window.path(0).queueing, "an empty path still counted as queueing"
+    assert path.window.window_bytes(0) >= 0.9 * grown
+
+
 def test_a_failure_drops_the_window_to_its_count_and_it_grows_again() -> None:
     path = SimulatedPath(rate=125e6, rtt=0.1)
     path.run(until=3.0)
