@@ -76,13 +76,15 @@ class Method:
     lr: float = 0.3
     momentum: float = 0.9
     beta: float = 1.0
+    restart: bool = False  # the aggregator restarts halfway: its error-feedback residual starts again from zero
 
     @property
     def label(self) -> str:
         """``sparse lr 0.7 beta 0.95 mom 0``, or the kind."""
         if self.kind != "sparse":
             return self.kind
-        return f"sparse lr {self.lr:g} beta {self.beta:g} mom {self.momentum:g}"
+        restart = ", aggregator restarted halfway" if self.restart else ""
+        return f"sparse lr {self.lr:g} beta {self.beta:g} mom {self.momentum:g}{restart}"
 
 
 def quant_configs() -> dict[str, tuple[QuantConfig, QuantConfig, bool]]:
@@ -152,6 +154,8 @@ def run_method(task_key: str, hosts: int, sync_every: int, method: Method, steps
     momentum = np.zeros(numel, np.float32)
     up_bits: list[float] = []
     down_bits: list[float] = []
+    restart_after = (steps // sync_every) // 2 if method.restart else -1  # outer rounds before the restart
+    outer_rounds = 0
     for step in range(1, steps + 1):
         for host, (replica, optimizer) in enumerate(zip(replicas, inner, strict=True)):
             inputs, targets = task.batch(host, step - 1, SEED)
@@ -163,6 +167,9 @@ def run_method(task_key: str, hosts: int, sync_every: int, method: Method, steps
         pseudo = [
             (global_flat - torch.nn.utils.parameters_to_vector(r.parameters()).detach()).numpy() for r in replicas
         ]
+        if outer_rounds == restart_after:  # a restarted shard is seeded again by its hosts; its residual is lost
+            aggregator_feedback = ErrorFeedback()
+        outer_rounds += 1
         if compressed:
             # The aggregator's round: every push decoded into one float32 sum, the last dividing by M.
             total = np.zeros(numel, np.float32)
@@ -344,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="runs trained at once (one thread each)")
     parser.add_argument("--report", type=Path, default=None, help="write the report (markdown) here too")
     parser.add_argument("--output", type=Path, default=None, help="write every run as JSON here too")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="only the cost of an aggregator restart: sparse DiLoCo at its default outer step, with and without "
+        "the aggregator's residual lost halfway, on every cell",
+    )
     args = parser.parse_args(argv)
     for key in args.tasks:
         if key not in TASKS:
@@ -353,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--tasks: expected at least one tuning task of {sorted(k for k in TASKS if TASKS[k].tuned)}")
 
     began = time.perf_counter()
+    if args.restart:
+        return restart_study(args, began)
     grid = tuning_grid(args.plain_lrs, args.nesterov_lrs, args.betas)
     tuning_hosts = TUNING_HOSTS if TUNING_HOSTS in args.hosts else args.hosts[0]
     tuning_cells = [(task, tuning_hosts, h) for task in tuning_tasks for h in args.syncs]
@@ -393,6 +408,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.report.write_text(header + "\n" + report + "\n")
     if args.output is not None:
         args.output.write_text(json.dumps({"chosen": asdict(chosen), "runs": results, "aggregator": timings}, indent=1))
+    return 0
+
+
+def restart_study(args: argparse.Namespace, began: float) -> int:
+    """Sparse DiLoCo at its defaults with and without an aggregator restart halfway: the held-out loss each way."""
+    from gradq.client.diloco.options import SPARSE_OUTER_LR
+
+    cells = [(task, m, h) for task in args.tasks for m in args.hosts for h in args.syncs]
+    methods = [Method("sparse", SPARSE_OUTER_LR, 0.9), Method("sparse", SPARSE_OUTER_LR, 0.9, restart=True)]
+    with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
+        futures = {(cell, m): pool.submit(run_method, *cell, m, args.steps) for cell in cells for m in methods}
+        losses = {job: future.result()["loss"] for job, future in futures.items()}
+    lines = [
+        f"# An aggregator restart in sparse DiLoCo ({args.steps} inner steps per host; residual lost after half "
+        f"the outer rounds; {time.perf_counter() - began:.0f} s)",
+        "",
+        f"    python bench/sparse_diloco.py {' '.join(sys.argv[1:])}",
+        "",
+        "| task | M | H | loss, no restart | loss, restarted halfway | restarted / not |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for cell in cells:
+        kept, lost = losses[(cell, methods[0])], losses[(cell, methods[1])]
+        lines.append(f"| {cell[0]} | {cell[1]} | {cell[2]} | {kept:.4f} | {lost:.4f} | {lost / kept:.4f} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.report is not None:
+        args.report.write_text(report)
     return 0
 
 
