@@ -52,7 +52,7 @@ def serve(pipe: Connection) -> None:
 
 def run(keys: int, elements: int) -> dict[str, float]:
     """Seed ``keys`` keys of ``elements`` parameters; returns the server's RSS and charge per key."""
-    from gradq.client import WorkerClient
+    from gradq.client import JobSpec, WorkerClient
     from gradq.client.elastic import ANY_RANK
 
     context = mp.get_context("spawn")
@@ -62,7 +62,12 @@ def run(keys: int, elements: int) -> dict[str, float]:
     address = f"127.0.0.1:{parent.recv()}"
     step = OuterStep(lr=0.7, momentum=0.9, nesterov=True)
     client = WorkerClient(
-        address, "keys", ANY_RANK, 1, QuantConfig(scheme=Scheme.FLOAT32), elastic=True, timeout_s=30, outer_step=step
+        address,
+        "keys",
+        ANY_RANK,
+        JobSpec(world_size=1, elastic=True, outer_step=step),
+        QuantConfig(scheme=Scheme.FLOAT32),
+        timeout_s=30,
     )
     client.join()
     parameters = np.ones(elements, np.float32)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from gradq.client import WorkerClient
+from gradq.client import JobSpec, WorkerClient
 from gradq.client.chunks import shard_for
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig
@@ -108,11 +108,9 @@ def host(addresses: list[str], job: str, timeout_s: float) -> WorkerClient:
         addresses,
         job,
         ANY_RANK,
-        2,
+        JobSpec(world_size=2, elastic=True, outer_step=OuterStep()),
         GRID,
-        elastic=True,
         timeout_s=timeout_s,
-        outer_step=OuterStep(),
         chunk_elements=0,
         max_in_flight=64,
     )

@@ -56,10 +56,15 @@ class JobSpec:
     """What a member says of its job in every Join, one value from the client's configuration to the wire.
 
     The aggregator checks it once against the job's (gradq.server.job_spec.JobSpec, its mirror); a new Join
-    option is a field here, there and in the proto.
+    option is a field here, there and in the proto. A training loop writes its part alone
+    (``JobSpec(model_signature=..., weighted=True)``) and ``GradqSession.connect`` fills in where the member
+    sits (``world_size``, ``ranks``, ``elastic``, ``job_ranks``, ``max_members``).
+
+    Raises:
+        ValueError: at construction, a field out of range, naming the field, its value and what was expected.
     """
 
-    world_size: int  # members the job starts with (its ranks, or its hosts under two-level aggregation)
+    world_size: int = 1  # members the job starts with (its ranks, or its hosts under two-level aggregation)
     ranks: int = 1  # the job's ranks this member stands for
     elastic: bool = False
     job_ranks: int = 0  # the job's ranks in all (0: world_size, one per member, not checked)
@@ -68,6 +73,24 @@ class JobSpec:
     outer_step: OuterStep | None = None  # DiLoCo: the outer step the aggregator runs (None: it only averages)
     semi_sync: tuple[int, float] | None = None  # (quorum, grace seconds) of a semi-synchronous round
     weighted: bool = False  # every push carries a weight, and the means are weighted by them
+
+    def __post_init__(self) -> None:
+        if not _is_integer(self.world_size) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r} is invalid; expected an integer >= 1")
+        if not _is_integer(self.ranks) or self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks!r} is invalid; expected an integer >= 1")
+        if not _is_integer(self.job_ranks) or (self.job_ranks and self.job_ranks < self.world_size):
+            raise ValueError(
+                f"job_ranks={self.job_ranks!r} is invalid; expected an integer >= world_size={self.world_size} "
+                f"(at least one rank per member) or 0 (world_size, one rank per member)"
+            )
+        if not _is_integer(self.max_members) or self.max_members < 0:
+            raise ValueError(f"max_members={self.max_members!r} is invalid; expected an integer >= 0 (0: no cap)")
+
+
+def _is_integer(value: object) -> bool:
+    """An int that is not a bool (True would pass for 1 member)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def join_request(

@@ -38,7 +38,6 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
 from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
-from gradq.qcore.outer_step import OuterStep
 
 __all__ = [
     "ANY_RANK",
@@ -68,8 +67,13 @@ class WorkerClient:
     Args:
         addresses: ``host:port`` of each shard (a single string for one).
         job_id: names the job; every rank of it uses the same id.
-        rank: this worker's member id, 0..world_size-1 (its rank, or its host's under two-level aggregation).
-        world_size: members in the job: its ranks, or its hosts under two-level aggregation (see ``ranks``).
+        rank: this worker's member id, 0..world_size-1 (its rank, or its host's under two-level aggregation);
+            in an elastic job it may be ``ANY_RANK`` (the aggregator assigns a free member id at ``join``).
+        job: what every Join says of the job (a serde.JobSpec; its fields say what each is), checked by
+            the aggregator against the job's; a bare int is a world size, one rank per member and nothing
+            else said. An elastic member (``JobSpec.elastic``) adopts a live run's incarnation and reads the
+            Watch stream's membership news into ``membership.world`` (see gradq.client.elastic); it talks
+            to one shard only.
         config: how buckets are quantized on the way out.
         error_feedback: keep a residual per bucket so quantization error is
             carried into the next step instead of lost (in the bucket's own
@@ -96,26 +100,6 @@ class WorkerClient:
         reconnect_timeout_s: how long a retry's rejoin waits for a shard that
             went away (``join`` waits ``membership.timeout_s``): a dead aggregator is
             reported unreachable after about this long plus the first backoff.
-        ranks: how many of the job's ranks this member stands for: 1, or under
-            two-level aggregation the ranks of the host whose sum it pushes
-            (``rank`` and ``world_size`` then count hosts); the aggregator
-            divides the sum of a round by the ranks its contributors stand for.
-        elastic: join an elastic job (one shard only): ``rank`` may be
-            ``ANY_RANK`` (the aggregator assigns a free member id at ``join``),
-            a live run's incarnation is adopted, ``world_size`` counts the
-            members it starts with, and the Watch stream's membership news is
-            read into ``membership.world`` (see gradq.client.elastic).
-        job_ranks: the job's ranks in all (the launcher's world size, which
-            gradq serve --world-size counts): the ranks the ``world_size``
-            members stand for together. None: ``world_size``, one rank per member
-            (the aggregator then does not check that the members' ``ranks`` add up).
-        max_members: elastic: the most members the job may hold at once (0: no cap of the job's own).
-        model_signature: elastic: this host's shared model, one line per tensor
-            (gradq.client.session.elastic.model_signature); "" leaves it unchecked.
-        outer_step: elastic: DiLoCo's outer step, which the aggregator then runs on
-            the job's global state (see ``ShardMembership.seed_outer``); None: it only averages.
-        semi_sync: elastic, with ``outer_step``: (quorum, grace seconds): a round
-            closes once that many members have pushed and the grace has passed.
         push_stream: send each shard's pushes as the messages of one
             PushPullStream call (gRPC's per-call work saved at both ends); False
             makes one unary PushPull call per push. An aggregator without
@@ -127,7 +111,7 @@ class WorkerClient:
         addresses: str | Sequence[str],
         job_id: str,
         rank: int,
-        world_size: int,
+        job: serde.JobSpec | int,
         config: QuantConfig | None = None,
         *,
         error_feedback: bool = False,
@@ -140,49 +124,26 @@ class WorkerClient:
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         max_in_flight: int | None = None,
         incarnation: str = "",
-        ranks: int = 1,
         reconnect_timeout_s: float = 10.0,
-        elastic: bool = False,
-        job_ranks: int | None = None,
-        max_members: int = 0,
-        model_signature: str = "",
-        outer_step: OuterStep | None = None,
-        semi_sync: tuple[int, float] | None = None,
         push_stream: bool = True,
-        weighted: bool = False,
         window: WindowSettings | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
             raise ValueError(f"addresses={addresses!r} is invalid; expected one or more 'host:port' strings")
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} is invalid; expected >= 1")
-        if not elastic and not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} is out of range; expected 0..{world_size - 1}")
+        # What every Join says of the job, one value (its fields are checked as it is made).
+        self.spec = job if isinstance(job, serde.JobSpec) else serde.JobSpec(world_size=job)
+        if not self.spec.elastic and not 0 <= rank < self.spec.world_size:
+            raise ValueError(f"rank={rank} is out of range; expected 0..{self.spec.world_size - 1}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} is invalid; expected > 0")
         if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 0:
             raise ValueError(f"chunk_elements={chunk_elements!r} is invalid; expected an integer >= 0 (0 never splits)")
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"ranks={ranks!r} is invalid; expected an integer >= 1")
-        if job_ranks is not None and (
-            isinstance(job_ranks, bool) or not isinstance(job_ranks, int) or job_ranks < world_size
-        ):
-            raise ValueError(
-                f"job_ranks={job_ranks!r} is invalid; expected an integer >= world_size={world_size} (at least one "
-                f"rank per member) or None"
-            )
-        if isinstance(max_members, bool) or not isinstance(max_members, int) or max_members < 0:
-            raise ValueError(f"max_members={max_members!r} is invalid; expected an integer >= 0 (0: no cap)")
         if not reconnect_timeout_s > 0:
             raise ValueError(f"reconnect_timeout_s={reconnect_timeout_s} is invalid; expected > 0")
         if max_retries < 0:
             raise ValueError(f"max_retries={max_retries} is invalid; expected >= 0")
         self.job_id = job_id
-        self.world_size = world_size
-        self.ranks = ranks
-        self.elastic = elastic
-        self.weighted = bool(weighted)
         self.reconnect_timeout_s = reconnect_timeout_s
         self.config = config or QuantConfig()
         channel = self.config.channel_size
@@ -198,23 +159,12 @@ class WorkerClient:
         self.security = security or ChannelSecurity()
         self._metadata = self.security.metadata()
         self._stats = StatsRecorder(log_every_s)
-        # Who this member is on each shard (joins, watches, rejoins, state transfer): what every Join says of
-        # the job is one value, checked by the aggregator against the job's.
-        spec = serde.JobSpec(
-            world_size=world_size,
-            ranks=ranks,
-            elastic=elastic,
-            job_ranks=job_ranks or 0,
-            max_members=max_members,
-            model_signature=model_signature,
-            outer_step=outer_step,
-            semi_sync=semi_sync,
-            weighted=weighted,
-        )
+        # Who this member is on each shard (joins, watches, rejoins, state transfer); the aggregator checks
+        # the spec every Join carries against the job's.
         self.membership = ShardMembership(
             job_id,
             rank,
-            spec,
+            self.spec,
             incarnation,
             timeout_s,
             reconnect_timeout_s,
@@ -343,7 +293,7 @@ class WorkerClient:
             bucket: bucket index within the step; picks the shard.
             array: this rank's values: any float array, or a torch tensor on any
                 device (quantized there; only packed bytes cross to the host).
-            weight: with ``weighted``, what this push stands for (the tokens or
+            weight: in a job ``spec.weighted``, what this push stands for (the tokens or
                 samples this member trained on since it last pushed the key), >= 1;
                 the mean is then sum(weight * array) / sum(weight). 0 otherwise.
 
@@ -435,12 +385,12 @@ class WorkerClient:
 
     def check_weight(self, weight: int) -> None:
         """A weighted client's push carries a weight in range, another's none (the aggregator would refuse it)."""
-        if self.weighted and not (isinstance(weight, int) and 1 <= weight <= MAX_PUSH_WEIGHT):
+        if self.spec.weighted and not (isinstance(weight, int) and 1 <= weight <= MAX_PUSH_WEIGHT):
             raise ValueError(
                 f"weight={weight!r} is invalid; expected an integer in 1..{MAX_PUSH_WEIGHT}: this client's job "
                 f"weights its means (weighted=True) by what each push stands for (tokens, samples)"
             )
-        if not self.weighted and weight:
+        if not self.spec.weighted and weight:
             raise ValueError(f"weight={weight!r} is invalid; expected 0: this client's job is not weighted")
 
     def round_keys(self, bucket: int, numel: int) -> list[tuple[int, int, int]]:

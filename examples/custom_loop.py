@@ -11,7 +11,7 @@ a step boundary (``member.serve_joiners``), and a host the aggregator dropped
 while it was silent joins again on the same terms (``member.rejoin``) and
 takes the state at the step the others have reached. The gradq lines::
 
-    session = GradqSession.connect(GradqConfig.from_env(), model_signature=model_signature(shared))
+    session = GradqSession.connect(GradqConfig.from_env(), job=JobSpec(model_signature=model_signature(shared)))
     step = session.member.receive(shared, 0)
     while step < total:
         session.member.serve_joiners(shared, step)
@@ -37,7 +37,7 @@ from torch import nn
 
 from gradq.client.config import GradqConfig
 from gradq.client.sending import AggregationError
-from gradq.client.session import GradqSession
+from gradq.client.session import GradqSession, JobSpec
 from gradq.client.session.elastic import model_signature
 from gradq.client.session.member import dropped_from_job
 
@@ -58,7 +58,7 @@ def main() -> None:
     shared = [model, optimizer]  # what a joiner receives from a live host
     target = torch.linspace(-1.0, 1.0, 8)
 
-    session = GradqSession.connect(GradqConfig.from_env(), model_signature=model_signature(shared))
+    session = GradqSession.connect(GradqConfig.from_env(), job=JobSpec(model_signature=model_signature(shared)))
     step = session.member.receive(shared, 0)  # a joiner trains from a live host's step, a starter from 0
     trained, loss = 0, torch.tensor(float("nan"))  # a joiner that arrives at the job's end trains no step
     while step < args.steps:

@@ -28,7 +28,7 @@ from gradq.client.elastic import JobWorld
 from gradq.client.env import DEFAULT_CONNECT_TIMEOUT_S, FALLBACKS
 from gradq.client.security import ChannelSecurity
 from gradq.client.sending import AggregationError
-from gradq.client.session import GradqSession
+from gradq.client.session import GradqSession, JobSpec
 from gradq.client.session.elastic import check_shareable, model_signature
 from gradq.client.session.host_groups import HostGroup
 from gradq.client.session.job_steps import check_total, job_steps
@@ -410,7 +410,7 @@ class GradqHookState:
         if self._session is None:
             signature = model_signature(self._shared) if self._config.elastic_hosts else ""
             session = GradqSession.connect(
-                self._config, self.process_group, model_signature=signature, on_drop=self._absorb
+                self._config, self.process_group, job=JobSpec(model_signature=signature), on_drop=self._absorb
             )
             session.residuals.load_state_dict(self._loaded.state_dict())
             self._summary.attach(session.events)

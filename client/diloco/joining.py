@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from gradq.client.sending import AggregationError
-from gradq.client.session import GradqSession
+from gradq.client.session import GradqSession, JobSpec
 from gradq.client.session.elastic import model_signature
 from gradq.client.session.host_groups import HostGroup
 
@@ -40,10 +40,12 @@ def connect(diloco: DiLoCo) -> GradqSession:
         diloco.config,
         diloco.process_group,
         host=_host_of_shards(diloco) if diloco.sharded else None,
-        model_signature=model_signature(diloco.shared()),
-        outer_step=state.step if state is not None else None,
-        semi_sync=options.semi_sync,
-        weighted=options.token_weighted,
+        job=JobSpec(
+            model_signature=model_signature(diloco.shared()),
+            outer_step=state.step if state is not None else None,
+            semi_sync=options.semi_sync,
+            weighted=options.token_weighted,
+        ),
     )
     _refuse_fallback(session)
     diloco.summary.attach(session.events)

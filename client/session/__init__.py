@@ -3,6 +3,7 @@
 See gradq.client.session.session. Importing this package loads torch.
 """
 
+from gradq.client.serde import JobSpec
 from gradq.client.session.session import GradqSession
 
-__all__ = ["GradqSession"]
+__all__ = ["GradqSession", "JobSpec"]

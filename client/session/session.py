@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from gradq.client.config import GradqConfig
 from gradq.client.contact import UnreachableError
 from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.sending import AggregationError
+from gradq.client.serde import JobSpec
 from gradq.client.session.bit_plans import BitPlans
 from gradq.client.session.failures import BackwardFailures
 from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
@@ -41,7 +42,6 @@ from gradq.client.session.residuals import ParameterResiduals
 from gradq.client.session.training_log import SessionEvents, show_gradq_logs
 from gradq.client.stats import ClientStats
 from gradq.client.worker import WorkerClient
-from gradq.qcore.outer_step import OuterStep
 
 __all__ = ["GradqSession"]
 
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _JOINED, _UNREACHABLE, _REFUSED = 0, 1, 2
 # Codes of an aggregator that answered and said no: a configuration to fix, never a reason to fall back.
 _REFUSALS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "UNAUTHENTICATED"})
+# The JobSpec fields that say where a member sits: connect sets them from the configuration and the host placement.
+_PLACEMENT = frozenset({"world_size", "ranks", "elastic", "job_ranks", "max_members"})
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,7 @@ class ConnectTerms:
 
     group: dist.ProcessGroup | None
     host: HostGroup | None = None
-    model_signature: str = ""
-    outer_step: OuterStep | None = None
-    semi_sync: tuple[int, float] | None = None
-    weighted: bool = False
+    job: JobSpec = field(default_factory=JobSpec)  # the loop's part of the job's spec; the placement is connect's
     on_drop: Callable[[BaseException], bool] | None = None
 
 
@@ -120,10 +119,7 @@ class GradqSession:
         config: GradqConfig,
         group: dist.ProcessGroup | None = None,
         host: HostGroup | None = None,
-        model_signature: str = "",
-        outer_step: OuterStep | None = None,
-        semi_sync: tuple[int, float] | None = None,
-        weighted: bool = False,
+        job: JobSpec | None = None,
         on_drop: Callable[[BaseException], bool] | None = None,
     ) -> GradqSession:
         """Join the job on every shard; all ranks of ``group`` then agree on gradq or the fallback.
@@ -137,13 +133,12 @@ class GradqSession:
         ``host`` is this rank's member, when the adapter placed it itself (FSDP:
         the host's ranks push their own shards as one member, no local
         collective); None finds the hosts from the launcher (DDP).
-        ``model_signature`` is an elastic host's shared model
-        (gradq.client.session.elastic.model_signature): the aggregator refuses
-        a host whose model differs from the job's, naming the first difference.
-        ``outer_step`` (elastic) has the aggregator keep a DiLoCo job's global
-        state (gradq.client.diloco); None: it only averages. ``semi_sync``
-        (quorum, grace seconds) makes the job's rounds semi-synchronous.
-        ``weighted``: every ``reduce`` gives a weight, and the means are weighted by them.
+        ``job`` is the loop's part of what every Join says of the job (a
+        gradq.client.JobSpec; its fields say what each asks of the aggregator,
+        which refuses a Join that disagrees with the job's, naming both values).
+        Where the member sits (``world_size``, ``ranks``, ``elastic``,
+        ``job_ranks``, ``max_members``) connect sets from ``config`` and the
+        host placement. None: nothing of the loop's said.
         ``on_drop``: says whether a bucket failure of a backward pass is the
         adapter's to handle (an elastic host dropped from the job rejoins after
         its optimizer's step, ``member.rejoin``) instead of being raised.
@@ -154,9 +149,10 @@ class GradqSession:
                 reached and ``config.fallback`` is "error" (or there is nothing
                 to fall back over); the message says what to check.
             RuntimeError: a launcher started several ranks, but torch.distributed is not initialized.
+            ValueError: ``job`` sets a field of the placement, which connect sets itself.
         """
         show_gradq_logs()
-        terms = ConnectTerms(group, host, model_signature, outer_step, semi_sync, weighted, on_drop)
+        terms = ConnectTerms(group, host, _loop_part(job), on_drop)
         group = _loop_group(group)
         job_id, incarnation = draw_run_names(group, config.job_id)
         # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
@@ -174,23 +170,22 @@ class GradqSession:
             host = find_host_group(group, config.host_grouping, config.host, os.environ, config.timeout_s)
             job_ranks = dist.get_world_size(group)
 
-        placed = host  # narrowed for the closure
+        spec = replace(
+            terms.job,
+            world_size=host.hosts,
+            ranks=host.member_ranks,
+            elastic=bool(config.elastic_hosts),
+            job_ranks=job_ranks,
+            max_members=config.elastic_max_hosts,
+        )
 
         def client_for(rank: int, run: str) -> WorkerClient:
             return WorkerClient(
                 list(config.addresses),
                 job_id,
                 rank,
-                placed.hosts,
+                spec,
                 config.quant,
-                elastic=bool(config.elastic_hosts),
-                ranks=placed.member_ranks,
-                job_ranks=job_ranks,
-                max_members=config.elastic_max_hosts,
-                model_signature=model_signature,
-                outer_step=outer_step,
-                semi_sync=semi_sync,
-                weighted=weighted,
                 error_feedback=config.error_feedback,
                 timeout_s=config.timeout_s,
                 security=config.security,
@@ -247,16 +242,7 @@ class GradqSession:
         """
         self.close()
         terms = self._terms
-        return type(self).connect(
-            self.config,
-            terms.group,
-            terms.host,
-            terms.model_signature,
-            terms.outer_step,
-            terms.semi_sync,
-            terms.weighted,
-            terms.on_drop,
-        )
+        return type(self).connect(self.config, terms.group, terms.host, terms.job, terms.on_drop)
 
     def reduce(
         self,
@@ -391,6 +377,23 @@ class GradqSession:
         if self._gather_pool is None:
             self._gather_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-gather")
         return self._gather_pool
+
+
+def _loop_part(job: JobSpec | None) -> JobSpec:
+    """The loop's part of the job's spec, as given (None: nothing said).
+
+    Raises:
+        ValueError: ``job`` sets a field of the placement, naming it, its value and who sets it.
+    """
+    job = job if job is not None else JobSpec()
+    for spec_field in fields(JobSpec):
+        value = getattr(job, spec_field.name)
+        if spec_field.name in _PLACEMENT and value != spec_field.default:
+            raise ValueError(
+                f"job.{spec_field.name}={value!r} is invalid; expected the default {spec_field.default!r}: "
+                f"GradqSession.connect sets it from the config and the host placement"
+            )
+    return job
 
 
 def _loop_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -8,7 +8,7 @@ import pytest
 from test_apps_cli import gradq, gradq_process
 from waiting import wait_until
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.server.app import AggregatorServer
 
@@ -22,8 +22,8 @@ MISMATCH = (
 
 def test_a_host_joining_with_other_elastic_hosts_is_refused_naming_the_setting(aggregator: AggregatorServer) -> None:
     address = f"127.0.0.1:{aggregator.port}"
-    with WorkerClient(address, "hosts-apart", ANY_RANK, 2, elastic=True, timeout_s=10.0):
-        other = WorkerClient(address, "hosts-apart", ANY_RANK, 3, elastic=True, timeout_s=10.0)
+    with WorkerClient(address, "hosts-apart", ANY_RANK, JobSpec(world_size=2, elastic=True), timeout_s=10.0):
+        other = WorkerClient(address, "hosts-apart", ANY_RANK, JobSpec(world_size=3, elastic=True), timeout_s=10.0)
         try:
             with pytest.raises(AggregationError, match=MISMATCH) as raised:
                 other.join()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from gradq.client import JobSpec
 from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer, ServerOptions
@@ -36,7 +37,13 @@ def shard_clients(server: AggregatorServer, job_id: str) -> list[list[WorkerClie
     """clients[host][local_rank], joined as use_gradq joins them."""
     clients = [
         [
-            WorkerClient(f"127.0.0.1:{server.port}", job_id, host, HOSTS, QuantConfig(bits=8), ranks=1, job_ranks=HOSTS)
+            WorkerClient(
+                f"127.0.0.1:{server.port}",
+                job_id,
+                host,
+                JobSpec(world_size=HOSTS, ranks=1, job_ranks=HOSTS),
+                QuantConfig(bits=8),
+            )
             for _ in range(LOCAL)
         ]
         for host in range(HOSTS)

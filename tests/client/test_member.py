@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gradq.client.config import GradqConfig
 from gradq.client.sending import AggregationError
-from gradq.client.session import GradqSession
+from gradq.client.session import GradqSession, JobSpec
 from gradq.client.session.training_log import TrainingSummary
 from gradq.server.app import AggregatorServer
 
@@ -24,7 +24,8 @@ def test_a_dropped_member_rejoins_on_the_same_terms_and_counts_it(aggregator: Ag
         return True
 
     with ThreadPoolExecutor(2) as pool:  # the job's two hosts join together
-        first, other = pool.map(lambda _: GradqSession.connect(config, model_signature="m", on_drop=on_drop), (0, 1))
+        job = JobSpec(model_signature="m")
+        first, other = pool.map(lambda _: GradqSession.connect(config, job=job, on_drop=on_drop), (0, 1))
     sessions = [first, other]
     try:
         assert first.failures.absorb is on_drop  # the drop callback is given at connect, not patched on after
@@ -34,6 +35,8 @@ def test_a_dropped_member_rejoins_on_the_same_terms_and_counts_it(aggregator: Ag
         assert first.closed and not rejoined.closed and rejoined.mode == "gradq"
         assert (first.member.rejoins, rejoined.member.rejoins) == (0, 1)
         assert rejoined.failures.absorb is on_drop  # the same terms: the callback too
+        assert rejoined.client is not None and rejoined.client.spec.model_signature == "m"  # and the job's spec
+        assert rejoined.client.spec.elastic and rejoined.client.spec.world_size == 2  # placed from the config
         owner = _Loop()
         summary = TrainingSummary(owner, "custom loop")
         summary.attach(first.events)

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from gradq.client.discovery import discover_shards, resolve_group
 from gradq.client.elastic import ANY_RANK
 from gradq.client.sending import AggregationError
+from gradq.client.serde import JobSpec
 from gradq.client.worker import WorkerClient
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig
@@ -73,8 +74,8 @@ def test_a_worker_given_one_address_learns_both_shards_and_trains_rounds_on_each
     def rank(r: int) -> None:
         # Rank 1 is given the second shard's address: each learns the same group, in shard order.
         member = ANY_RANK if elastic else r  # an elastic member takes the id the first shard gives
-        options = {"chunk_elements": CHUNK, "elastic": elastic}
-        with WorkerClient(both[r], job, member, 2, QuantConfig(bits=8), **options) as client:  # type: ignore[arg-type]
+        spec = JobSpec(world_size=2, elastic=elastic)
+        with WorkerClient(both[r], job, member, spec, QuantConfig(bits=8), chunk_elements=CHUNK) as client:
             addresses[r] = list(client.addresses)
             means[r] = [client.push_pull(step, 0, values[r, step]) for step in range(steps)]
 

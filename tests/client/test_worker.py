@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradq.client import AggregationError, WorkerClient, shard_for
+from gradq.client import AggregationError, JobSpec, WorkerClient, shard_for
 from gradq.client.chunks import (
     MIN_SHARD_SPLIT,
     SLOW_LINK_CHUNK_BYTES,
@@ -174,13 +174,13 @@ def test_client_error_feedback_keeps_long_run_mean_unbiased(start: Start) -> Non
     [
         ({"addresses": []}, r"addresses=\[\] is invalid"),
         ({"rank": 3}, "rank=3 is out of range; expected 0..1"),
-        ({"world_size": 0}, "world_size=0 is invalid"),
+        ({"job": 0}, "world_size=0 is invalid; expected an integer >= 1"),
         ({"timeout_s": 0}, "timeout_s=0 is invalid"),
         ({"chunk_elements": -1}, r"chunk_elements=-1 is invalid; expected an integer >= 0"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, object], message: str) -> None:
-    arguments: dict[str, object] = {"addresses": "127.0.0.1:1", "job_id": "j", "rank": 0, "world_size": 2}
+    arguments: dict[str, object] = {"addresses": "127.0.0.1:1", "job_id": "j", "rank": 0, "job": 2}
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
         WorkerClient(**arguments)  # type: ignore[arg-type]
@@ -333,7 +333,9 @@ def test_members_standing_for_several_ranks_weight_the_mean_by_ranks(start: Star
     means: dict[int, np.ndarray] = {}
 
     def work(host: int) -> None:
-        with WorkerClient([f"127.0.0.1:{server.port}"], "hosts", host, 2, config, ranks=host_ranks[host]) as client:
+        with WorkerClient(
+            [f"127.0.0.1:{server.port}"], "hosts", host, JobSpec(world_size=2, ranks=host_ranks[host]), config
+        ) as client:
             means[host] = client.push_pull(0, 0, host_sums[host])
 
     run_ranks(2, work)
@@ -346,14 +348,14 @@ def test_members_standing_for_several_ranks_weight_the_mean_by_ranks(start: Star
 def test_a_member_must_always_stand_for_the_same_ranks(start: Start) -> None:
     server = start(RoundPolicy(round_timeout_s=10.0))
     address = f"127.0.0.1:{server.port}"
-    with WorkerClient([address], "weights", 0, 2, ranks=2) as client:
+    with WorkerClient([address], "weights", 0, JobSpec(world_size=2, ranks=2)) as client:
         client.join()
         with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: ranks=3 does not match .*for 2 ranks"):
-            WorkerClient([address], "weights", 0, 2, ranks=3).join()
+            WorkerClient([address], "weights", 0, JobSpec(world_size=2, ranks=3)).join()
         with pytest.raises(AggregationError, match=r"INVALID_ARGUMENT: ranks=5000 is invalid; expected 1\.\.1024"):
-            WorkerClient([address], "weights", 1, 2, ranks=5000).join()
+            WorkerClient([address], "weights", 1, JobSpec(world_size=2, ranks=5000)).join()
     with pytest.raises(ValueError, match="ranks=0 is invalid; expected an integer >= 1"):
-        WorkerClient([address], "weights", 0, 2, ranks=0)
+        WorkerClient([address], "weights", 0, JobSpec(world_size=2, ranks=0))
 
 
 def test_an_aggregator_gone_for_good_is_reported_unreachable_long_before_the_rpc_deadline(start: Start) -> None:

@@ -25,7 +25,7 @@ from dependencies import require_module, require_program
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.process import free_port, spawn_aggregator
@@ -49,10 +49,11 @@ GRAFANA_VALUES = {"instance": ".*", "job": ".*", "__rate_interval": "1m", "__ran
 # then waits to be killed, which is how a host is lost: its stream ends without a Leave.
 _ELASTIC_HOST = """
 import sys, time
-from gradq.client import WorkerClient
+from gradq.client import JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
-host = WorkerClient(sys.argv[1], "elastic", ANY_RANK, 2, QuantConfig(scheme=Scheme.FLOAT32), elastic=True)
+spec = JobSpec(world_size=2, elastic=True)
+host = WorkerClient(sys.argv[1], "elastic", ANY_RANK, spec, QuantConfig(scheme=Scheme.FLOAT32))
 host.join()
 deadline = time.monotonic() + 60
 while host.membership.world is None:
@@ -193,7 +194,9 @@ def lose_a_host(address: str, logs: Path) -> WorkerClient:
             [sys.executable, "-c", _ELASTIC_HOST, address], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
         )
     try:
-        member = WorkerClient(address, "elastic", ANY_RANK, 2, QuantConfig(scheme=Scheme.FLOAT32), elastic=True)
+        member = WorkerClient(
+            address, "elastic", ANY_RANK, JobSpec(world_size=2, elastic=True), QuantConfig(scheme=Scheme.FLOAT32)
+        )
         member.join()
         assert lost.stdout is not None
         assert lost.stdout.readline() == b"watched\n", f"the elastic host exited {lost.poll()}; see {logs}"

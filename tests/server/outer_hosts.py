@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gradq.client import WorkerClient
+from gradq.client import JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
 from gradq.qcore.outer_step import OuterStep
@@ -19,7 +19,12 @@ def joiner_of(port: int, clients: list[WorkerClient], timeout_s: float = 20.0) -
 
     def join(outer_step: OuterStep | None = STEP, job: str = "d", hosts: int = 2) -> WorkerClient:
         client = WorkerClient(
-            f"127.0.0.1:{port}", job, ANY_RANK, hosts, EXACT, elastic=True, timeout_s=timeout_s, outer_step=outer_step
+            f"127.0.0.1:{port}",
+            job,
+            ANY_RANK,
+            JobSpec(world_size=hosts, elastic=True, outer_step=outer_step),
+            EXACT,
+            timeout_s=timeout_s,
         )
         clients.append(client)
         client.join()

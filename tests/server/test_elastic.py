@@ -14,7 +14,7 @@ import pytest
 from conftest import StartAggregator
 from waiting import wait_until
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.client.security import ChannelSecurity
 from gradq.proto.v1 import aggregator_pb2 as pb
@@ -39,17 +39,15 @@ def host(server: AggregatorServer) -> Iterator[Host]:
     """Joined elastic members of job 'e' (2 starting hosts); each closed at teardown."""
     clients: list[WorkerClient] = []
 
-    def join(incarnation: str = "", **options: object) -> WorkerClient:
+    def join(incarnation: str = "", **spec: object) -> WorkerClient:
         client = WorkerClient(
             f"127.0.0.1:{server.port}",
             "e",
             ANY_RANK,
-            2,
+            JobSpec(world_size=2, elastic=True, **spec),  # type: ignore[arg-type]
             EXACT,
-            elastic=True,
             timeout_s=20,
             incarnation=incarnation or f"run-{len(clients)}",
-            **options,  # type: ignore[arg-type]
         )
         clients.append(client)
         client.join()
@@ -277,7 +275,9 @@ def test_tokens_scope_elastic_joins_fetches_and_sends(start_aggregator: StartAgg
 
     def member(token: str, job: str = "team-a-1") -> WorkerClient:
         security = ChannelSecurity(token=token)
-        return WorkerClient(address, job, ANY_RANK, 1, EXACT, elastic=True, timeout_s=10, security=security)
+        return WorkerClient(
+            address, job, ANY_RANK, JobSpec(world_size=1, elastic=True), EXACT, timeout_s=10, security=security
+        )
 
     owner = member("team-a-token-000000")
     owner.join()
@@ -303,7 +303,9 @@ def test_membership_changes_are_counted_in_the_metrics(start_aggregator: StartAg
     server = start_aggregator(RoundPolicy(round_timeout_s=20.0), metrics_port=0)
     assert server.metrics_port is not None
     address = f"127.0.0.1:{server.port}"
-    members = [WorkerClient(address, "m", ANY_RANK, 2, EXACT, elastic=True, timeout_s=10) for _ in range(3)]
+    members = [
+        WorkerClient(address, "m", ANY_RANK, JobSpec(world_size=2, elastic=True), EXACT, timeout_s=10) for _ in range(3)
+    ]
     for member in members:
         member.join()
     members[1].membership._watches[0].cancel()  # lost

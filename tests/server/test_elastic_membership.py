@@ -17,7 +17,7 @@ import pytest
 from conftest import StartAggregator
 from waiting import wait_until
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK, JobWorld
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer
@@ -54,18 +54,16 @@ def hosts() -> Iterator[Callable[[list[str], str], WorkerClient]]:
     """Elastic members of job 'ef' (2 starting hosts unless ``world_size`` says); closed at teardown."""
     clients: list[WorkerClient] = []
 
-    def make(addresses: list[str], incarnation: str, **options: object) -> WorkerClient:
+    def make(addresses: list[str], incarnation: str, timeout_s: float = 20, **spec: object) -> WorkerClient:
         client = WorkerClient(
             addresses,
             "ef",
             ANY_RANK,
-            options.pop("world_size", 2),  # type: ignore[arg-type]
+            JobSpec(**{"world_size": 2, **spec}, elastic=True),  # type: ignore[arg-type]
             EXACT,
-            elastic=True,
-            timeout_s=options.pop("timeout_s", 20),  # type: ignore[arg-type]
+            timeout_s=timeout_s,
             incarnation=incarnation,
             retry_backoff_s=0.1,
-            **options,  # type: ignore[arg-type]
         )
         clients.append(client)
         return client

@@ -9,7 +9,7 @@ import numpy as np
 from conditions import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from gradq.client import WorkerClient
+from gradq.client import JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.app import AggregatorServer, ServerOptions
@@ -45,7 +45,9 @@ def start(linger_s: float, limits: ServiceLimits | None = None) -> AggregatorSer
 
 def train_elastic_job(address: str, job: str) -> None:
     """Two elastic ranks join, run one round together and leave, one after the other."""
-    members = [WorkerClient(address, job, ANY_RANK, 2, EXACT, elastic=True, timeout_s=10) for _ in range(2)]
+    members = [
+        WorkerClient(address, job, ANY_RANK, JobSpec(world_size=2, elastic=True), EXACT, timeout_s=10) for _ in range(2)
+    ]
     for member in members:
         member.join()
     threads = [threading.Thread(target=member.push_pull, args=(0, 0, np.ones(8, np.float32))) for member in members]

@@ -9,7 +9,7 @@ import pytest
 from conftest import StartAggregator
 from waiting import wait_until
 
-from gradq.client import WorkerClient
+from gradq.client import WorkerClient, serde
 from gradq.client.elastic import ANY_RANK
 from gradq.client.membership import JobEndedError
 from gradq.qcore import QuantConfig, Scheme
@@ -110,7 +110,14 @@ def hosts() -> Iterator[Callable[..., WorkerClient]]:
 
     def make(address: str) -> WorkerClient:
         client = WorkerClient(
-            [address], "end", ANY_RANK, 2, EXACT, elastic=True, timeout_s=20, incarnation="run", retry_backoff_s=0.1
+            [address],
+            "end",
+            ANY_RANK,
+            serde.JobSpec(world_size=2, elastic=True),
+            EXACT,
+            timeout_s=20,
+            incarnation="run",
+            retry_backoff_s=0.1,
         )
         clients.append(client)
         return client

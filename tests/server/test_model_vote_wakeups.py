@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from conftest import StartAggregator
 from waiting import wait_until
 
-from gradq.client import WorkerClient
+from gradq.client import WorkerClient, serde
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.job_spec import JobSpec
@@ -40,8 +40,8 @@ def test_a_waiting_join_is_answered_as_soon_as_the_host_it_disagreed_with_leaves
 
     def host(model: str, incarnation: str) -> WorkerClient:
         return WorkerClient(
-            [address], "vote", ANY_RANK, 2, EXACT, elastic=True, timeout_s=20, model_signature=model,
-            incarnation=incarnation,
+            [address], "vote", ANY_RANK, serde.JobSpec(world_size=2, elastic=True, model_signature=model), EXACT,
+            timeout_s=20, incarnation=incarnation,
         )  # fmt: skip
 
     odd, right = host(ODD, "run-odd"), host(RIGHT, "run-right")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import StartAggregator
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.qcore import QuantConfig, Scheme
 from gradq.server.policy import RoundPolicy
 
@@ -18,7 +18,10 @@ def test_a_host_of_four_ranks_meets_a_quorum_of_four_ranks(start_aggregator: Sta
     address = f"127.0.0.1:{server.port}"
     # Two hosts of four ranks each: the members are hosts, the quorum counts their ranks.
     # A 5 s call timeout: the round must close at its 0.5 s deadline, not wait for host 1, which never pushes.
-    hosts = [WorkerClient(address, "hosts", host, 2, EXACT, ranks=4, job_ranks=8, timeout_s=5) for host in (0, 1)]
+    hosts = [
+        WorkerClient(address, "hosts", host, JobSpec(world_size=2, ranks=4, job_ranks=8), EXACT, timeout_s=5)
+        for host in (0, 1)
+    ]
     try:
         for host in hosts:
             host.join()

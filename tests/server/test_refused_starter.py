@@ -11,7 +11,7 @@ import pytest
 from conftest import StartAggregator
 from round_calls import push, wait
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, WorkerClient, serde
 from gradq.client.elastic import ANY_RANK
 from gradq.qcore import QuantConfig, Scheme, decode, encode
 from gradq.server.errors import FailedPreconditionError, Refusal
@@ -114,11 +114,9 @@ def hosts() -> Iterator[Callable[..., WorkerClient]]:
             [address],
             "vote",
             ANY_RANK,
-            3,
+            serde.JobSpec(world_size=3, elastic=True, model_signature=model),
             EXACT,
-            elastic=True,
             timeout_s=20,
-            model_signature=model,
             retry_backoff_s=0.1,
         )
         clients.append(client)

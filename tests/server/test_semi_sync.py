@@ -11,7 +11,7 @@ import pytest
 from conftest import StartAggregator
 from waiting import wait_until
 
-from gradq.client import AggregationError, WorkerClient
+from gradq.client import AggregationError, JobSpec, WorkerClient
 from gradq.client.elastic import ANY_RANK
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
@@ -41,12 +41,9 @@ def host(server: AggregatorServer) -> Iterator[Host]:
             f"127.0.0.1:{server.port}",
             "s",
             ANY_RANK,
-            3,
+            JobSpec(world_size=3, elastic=True, outer_step=STEP, semi_sync=semi_sync),
             EXACT,
-            elastic=True,
             timeout_s=20,
-            outer_step=STEP,
-            semi_sync=semi_sync,
         )
         clients.append(client)
         client.join()

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gradq.client import WorkerClient
+from gradq.client import JobSpec, WorkerClient
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.transport import MAX_PUSH_WEIGHT
 from gradq.proto.v1 import aggregator_pb2 as pb
@@ -46,11 +46,8 @@ def clients(server: AggregatorServer, job: str, ranks: list[int], config: QuantC
             f"127.0.0.1:{server.port}",
             job,
             member,
-            len(ranks),
+            JobSpec(world_size=len(ranks), ranks=count, job_ranks=sum(ranks), weighted=True),
             config,
-            ranks=count,
-            job_ranks=sum(ranks),
-            weighted=True,
             timeout_s=20.0,
         )
         for member, count in enumerate(ranks)
