@@ -39,9 +39,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _load(name: str) -> ModuleType:
-    """A bench module by file (bench/ is no package); netns imports delay_line by name."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    """A bench module by file (bench/ is no package), registered by name: netns imports delay_line so."""
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -60,6 +60,7 @@ def slow_link() -> Iterator[tuple[Any, Any]]:
             pytest.fail(f"under CI=true: {message}")
         pytest.skip(message)
     os.environ["GRADQ_NETNS_RUN"] = f"lv{os.getpid() % 100000}"  # namespaces of this run only
+    _load("delay_line")
     topology = _load("netns").build_topology(1, 1)
     try:
         (worker,), (aggregator,) = topology.workers, topology.aggregators
