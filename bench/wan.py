@@ -173,6 +173,7 @@ class PushSpec:
     world_size: int
     elements: int
     bits: int
+    scheme: str  # a QuantConfig scheme name ("" its default)
     rounds: int  # the first is a warm-up (the hosts start apart); the rest are timed
     output: str
 
@@ -186,7 +187,7 @@ def push_main(spec: PushSpec) -> None:
     from gradq.qcore import QuantConfig, encode
 
     defaults = GradqConfig(addresses=(spec.address,))
-    config = QuantConfig(bits=spec.bits)
+    config = QuantConfig(spec.scheme, bits=spec.bits) if spec.scheme else QuantConfig(bits=spec.bits)
     client = WorkerClient(
         spec.address,
         spec.job_id,
@@ -366,6 +367,7 @@ def _push_row(
                 args.hosts,
                 args.elements,
                 args.bits,
+                args.scheme,
                 args.rounds + 1,
                 str(out / f"rank{rank}.json"),
             )
@@ -437,6 +439,11 @@ def measure_pushes(args: argparse.Namespace) -> list[PushRow]:
     return rows
 
 
+def _grid(args: argparse.Namespace) -> str:
+    """What the pushes were encoded with, in words."""
+    return f"{args.scheme} (top 64 of every 4096)" if args.scheme == "sparse_topk" else f"{args.bits} bits"
+
+
 def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
     """The push report in markdown."""
     command = " ".join(["sudo .venv/bin/python bench/wan.py", *sys.argv[1:]])
@@ -444,7 +451,7 @@ def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:
         "# A DiLoCo-sized push across a delay",
         "",
         f"`{command}` at gradq {_git_revision()}; {_machine()} after the run (other helpers' work shared the "
-        f"2 cores). {args.hosts} hosts each push {args.elements:,} float32 elements pre-encoded at {args.bits} bits "
+        f"2 cores). {args.hosts} hosts each push {args.elements:,} float32 elements pre-encoded at {_grid(args)} "
         "to one aggregator (`gradq.server`) and wait for every answer; per host, time from the first push to the "
         "last answer, median of the timed rounds (after one warm-up round), every host's rounds pooled; last round: "
         "the slower host's. Worker links "
@@ -556,6 +563,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hosts", type=int, default=2, help="push: worker hosts")
     parser.add_argument("--elements", type=int, default=50_000_000, help="push: float32 elements per host")
     parser.add_argument("--bits", type=int, default=4, help="push: bits per element")
+    parser.add_argument(
+        "--scheme", default="", help="push: a QuantConfig scheme name, e.g. sparse_topk (default: QuantConfig's)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="push: timed rounds (after one warm-up)")
     parser.add_argument(
         "--trees",
@@ -569,6 +579,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="push: runs of each tree per row, alternated")
     parser.add_argument("--note", default="", help="a sentence for the report's setup (e.g. which gradq tree ran)")
     args = parser.parse_args(argv)
+    if args.scheme:
+        from gradq.qcore import QuantConfig
+
+        try:
+            QuantConfig(args.scheme, bits=args.bits)
+        except ValueError as error:
+            parser.error(f"--scheme: {error}")
     args.failures = []  # push rows whose pushers failed, filled while measuring
     if args.rtts is None:
         args.rtts = [50.0, 100.0] if args.report else [0.0, 50.0, 100.0]
