@@ -184,10 +184,10 @@ def push_main(spec: PushSpec) -> None:
 
     from gradq.client.config import GradqConfig
     from gradq.client.worker import WorkerClient
-    from gradq.qcore import QuantConfig, encode
+    from gradq.qcore import QuantConfig, Scheme, encode
 
     defaults = GradqConfig(addresses=(spec.address,))
-    config = QuantConfig(spec.scheme, bits=spec.bits) if spec.scheme else QuantConfig(bits=spec.bits)
+    config = QuantConfig(Scheme.parse(spec.scheme), bits=spec.bits) if spec.scheme else QuantConfig(bits=spec.bits)
     client = WorkerClient(
         spec.address,
         spec.job_id,
@@ -580,10 +580,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--note", default="", help="a sentence for the report's setup (e.g. which gradq tree ran)")
     args = parser.parse_args(argv)
     if args.scheme:
-        from gradq.qcore import QuantConfig
+        from gradq.qcore import QuantConfig, Scheme
 
         try:
-            QuantConfig(args.scheme, bits=args.bits)
+            QuantConfig(Scheme.parse(args.scheme), bits=args.bits)
         except ValueError as error:
             parser.error(f"--scheme: {error}")
     args.failures = []  # push rows whose pushers failed, filled while measuring
