@@ -441,7 +441,12 @@ def measure_pushes(args: argparse.Namespace) -> list[PushRow]:
 
 def _grid(args: argparse.Namespace) -> str:
     """What the pushes were encoded with, in words."""
-    return f"{args.scheme} (top 64 of every 4096)" if args.scheme == "sparse_topk" else f"{args.bits} bits"
+    from gradq.qcore import QuantConfig, Scheme
+
+    config = QuantConfig(Scheme.parse(args.scheme), bits=args.bits) if args.scheme else QuantConfig(bits=args.bits)
+    if config.topk:
+        return f"{args.scheme} (top {config.topk} of every {config.channel_size})"
+    return f"{config.scheme.name.lower()} at {config.bits} bits"
 
 
 def render_pushes(rows: Sequence[PushRow], args: argparse.Namespace) -> str:

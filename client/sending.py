@@ -43,16 +43,17 @@ log = logging.getLogger(__name__)
 # What a push hears when the aggregator's keepalive closed its connection: its ping's answer queued
 # behind this host's own bytes on a link too slow (or too far) for --keepalive-timeout. Not a dead
 # aggregator: the advice names the setting instead of asking whether it runs.
-KEEPALIVE_ADVICE = (
+_KEEPALIVE_ADVICE = (
     "the connection was closed because a keepalive ping went unanswered for the aggregator's --keepalive-timeout; "
     "while this host is alive, that means its pushes or means queue longer than the timeout ahead of the answer "
-    "(a link too slow or too far for it): raise the aggregator's --keepalive-timeout (GRADQ_KEEPALIVE_TIMEOUT), "
+    "(a link too slow or too far for it), or the link dropped out for longer: raise the aggregator's "
+    "--keepalive-timeout (GRADQ_KEEPALIVE_TIMEOUT), "
     "e.g. to 5 s (docs/operating.md, 'Liveness on slow and long links')"
 )
 
 
 def _closed_by_keepalive(details: str) -> bool:
-    """gRPC's words for a connection its peer's keepalive closed (GOAWAY ping_timeout, or the local ping timeout)."""
+    """gRPC's words for a connection the aggregator's keepalive closed (its GOAWAY says ping_timeout)."""
     lowered = details.lower()
     return "ping timeout" in lowered or "ping_timeout" in lowered
 
@@ -332,7 +333,7 @@ class ShardSender:
             if pending.unavailable_since is None:
                 pending.unavailable_since = pending.sent_at
             if _closed_by_keepalive(call.details() or ""):
-                log.warning("aggregator %s: %s", address, KEEPALIVE_ADVICE)
+                log.warning("aggregator %s: %s", address, _KEEPALIVE_ADVICE)
             pending.attempt += 1
             delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)
             log.info(
@@ -354,7 +355,7 @@ class ShardSender:
         """What a push that ran out of patience says: unreachable, for how long, how often tried."""
         since = pending.unavailable_since if pending.unavailable_since is not None else pending.sent_at
         if _closed_by_keepalive(details):
-            return f"{KEEPALIVE_ADVICE} (last error: {details}, after {pending.attempt + 1} attempts)"
+            return f"{_KEEPALIVE_ADVICE} (last error: {details}; attempts: {pending.attempt + 1})"
         return (
             f"unreachable: tried for {time.perf_counter() - since:.1f} s ({pending.attempt + 1} attempts, "
             f"rejoining between them); is the aggregator running? last error: {details}"

@@ -5,6 +5,7 @@ The only client module that builds or reads ``_pb2`` messages.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,8 @@ class JobSpec:
     sits (``world_size``, ``ranks``, ``elastic``, ``job_ranks``, ``max_members``).
 
     Raises:
-        ValueError: at construction, a field out of range, naming the field, its value and what was expected.
+        ValueError: at construction, a count out of range (world_size, ranks, job_ranks, max_members), naming
+            it, its value and what was expected; the aggregator refuses any other bad field at the Join.
     """
 
     world_size: int = 1  # members the job starts with (its ranks, or its hosts under two-level aggregation)
@@ -86,11 +88,13 @@ class JobSpec:
             )
         if not _is_integer(self.max_members) or self.max_members < 0:
             raise ValueError(f"max_members={self.max_members!r} is invalid; expected an integer >= 0 (0: no cap)")
+        for name in ("world_size", "ranks", "job_ranks", "max_members"):  # numpy's integers as Python's, for the wire
+            object.__setattr__(self, name, int(getattr(self, name)))
 
 
 def _is_integer(value: object) -> bool:
-    """An int that is not a bool (True would pass for 1 member)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too) that is not a bool (True would pass for 1 member)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def join_request(

@@ -388,7 +388,7 @@ class WorkerClient:
         if self.spec.weighted and not (isinstance(weight, int) and 1 <= weight <= MAX_PUSH_WEIGHT):
             raise ValueError(
                 f"weight={weight!r} is invalid; expected an integer in 1..{MAX_PUSH_WEIGHT}: this client's job "
-                f"weights its means (weighted=True) by what each push stands for (tokens, samples)"
+                f"weights its means (JobSpec(weighted=True)) by what each push stands for (tokens, samples)"
             )
         if not self.spec.weighted and weight:
             raise ValueError(f"weight={weight!r} is invalid; expected 0: this client's job is not weighted")

@@ -383,9 +383,14 @@ def _loop_part(job: JobSpec | None) -> JobSpec:
     """The loop's part of the job's spec, as given (None: nothing said).
 
     Raises:
-        ValueError: ``job`` sets a field of the placement, naming it, its value and who sets it.
+        ValueError: ``job`` is not a JobSpec (connect's fourth argument was once a model signature), or
+            sets a field of the placement, naming it, its value and who sets it.
     """
     job = job if job is not None else JobSpec()
+    if not isinstance(job, JobSpec):
+        raise ValueError(
+            f"job={job!r:.80} is invalid; expected a gradq.client.JobSpec, e.g. JobSpec(model_signature=...)"
+        )
     for spec_field in fields(JobSpec):
         value = getattr(job, spec_field.name)
         if spec_field.name in _PLACEMENT and value != spec_field.default:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,17 @@ def test_connect_refuses_a_job_that_places_the_member_itself(placement: str, val
     expected = rf"job\.{placement}={value!r} is invalid; expected the default .*: GradqSession\.connect sets it from"
     with pytest.raises(ValueError, match=f"{expected} the config and the host placement"):
         GradqSession.connect(config, job=job)
+
+
+def test_connect_refuses_a_model_signature_where_the_spec_goes() -> None:
+    config = GradqConfig.of("127.0.0.1:1", job_id="old-call")
+    with pytest.raises(ValueError, match=r"job='linear\.weight.*' is invalid; expected a gradq\.client\.JobSpec"):
+        GradqSession.connect(config, None, None, "linear.weight 4x4 float32")  # type: ignore[arg-type]
+
+
+def test_numpy_counts_are_taken_as_integers() -> None:
+    spec = JobSpec(world_size=np.int64(3), ranks=np.int32(2))  # type: ignore[arg-type]
+    assert (spec.world_size, spec.ranks) == (3, 2) and type(spec.world_size) is int
 
 
 def test_a_weighted_job_given_to_connect_reaches_the_client_and_its_pushes(exact_aggregator: str) -> None:

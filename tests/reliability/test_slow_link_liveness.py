@@ -59,9 +59,10 @@ def slow_link() -> Iterator[tuple[Any, Any]]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"under CI=true: {message}")
         pytest.skip(message)
-    os.environ["GRADQ_NETNS_RUN"] = f"lv{os.getpid() % 100000}"  # namespaces of this run only
-    _load("delay_line")
-    topology = _load("netns").build_topology(1, 1)
+    with pytest.MonkeyPatch.context() as patch:  # netns reads it as it is loaded: namespaces of this run only
+        patch.setenv("GRADQ_NETNS_RUN", f"lv{os.getpid() % 100000}")
+        _load("delay_line")
+        topology = _load("netns").build_topology(1, 1)
     try:
         (worker,), (aggregator,) = topology.workers, topology.aggregators
         topology.shape([worker], RATE)
