@@ -256,23 +256,23 @@ def job_spec_of(request: pb.JoinRequest, rank: int) -> JobSpec:
         raise InvalidArgumentError(
             f"role={request.role} is invalid; expected 0 (STARTING), 1 (JOINING) or 2 (RESUMING)"
         ) from None
-    spec = JobSpec(
-        request.job_id,
-        rank,
-        request.world_size,
-        request.incarnation,
-        request.ranks or 1,
-        request.elastic,
-        request.job_ranks,
-        request.max_members,
-        request.model_signature,
-        outer_step_of(request),
-        semi_sync_of(request),
-        role,
-        request.training_members,
-        request.weighted,
+    # By name: a field added to JobSpec and the proto is one line here, in no particular place.
+    return JobSpec(
+        job_id=request.job_id,
+        rank=rank,
+        world_size=request.world_size,
+        incarnation=request.incarnation,
+        ranks=request.ranks or 1,
+        elastic=request.elastic,
+        job_ranks=request.job_ranks,
+        max_members=request.max_members,
+        model_signature=request.model_signature,
+        outer_step=outer_step_of(request),
+        semi_sync=semi_sync_of(request),
+        role=role,
+        training_members=request.training_members,
+        weighted=request.weighted,
     )
-    return spec
 
 
 def outer_step_of(request: pb.JoinRequest) -> OuterStep | None:
