@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -53,6 +53,24 @@ class JobEndedError(AggregationError):
             cause.refusal,
         )
         self.job_id, self.incarnation = job_id, incarnation
+
+
+# How often a Watch says this process lives (WatchRequest.heartbeat_ms). The aggregator loses a member whose
+# heartbeat is late by more than its --keepalive-timeout (1.5 s by default), so a stop shorter than that
+# and this period together loses nobody.
+HEARTBEAT_S = 1.0
+
+
+def _heartbeats(request: pb.WatchRequest, ended: threading.Event) -> Iterator[pb.WatchRequest]:
+    """The Watch's requests: ``request``, then an empty one every HEARTBEAT_S until the call ends.
+
+    gRPC sends them from a thread of its own; the shard's first connection
+    carries them, which no push shares (gradq.client.shard_connections).
+    """
+    yield request
+    heartbeat = pb.WatchRequest()
+    while not ended.wait(HEARTBEAT_S):
+        yield heartbeat
 
 
 class ShardMembership:
@@ -251,18 +269,19 @@ class ShardMembership:
                 watching = None
             if watching is not None and not watching.done():
                 return
-            request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard])
-            call = self._stubs[shard].Watch(request, metadata=self._metadata)
+            request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard], int(HEARTBEAT_S * 1000))
+            ended = threading.Event()
+            call = self._stubs[shard].Watch(_heartbeats(request, ended), metadata=self._metadata)
             self._watches[shard], self._watched_servers[shard] = call, server_id
-        call.add_done_callback(lambda done: self._watch_ended(shard, done))
+        call.add_done_callback(lambda done: self._watch_ended(shard, done, ended))
         if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
             threading.Thread(target=self._read_world, args=(call,), name="gradq-watch", daemon=True).start()
 
-    def _watch_ended(self, shard: int, call: Any) -> None:
+    def _watch_ended(self, shard: int, call: Any, heartbeats: threading.Event) -> None:
         """A Watch that ended other than by ``leave``: the aggregator cut this rank off, went away, or cannot watch it.
 
-        UNAVAILABLE while joined is the aggregator closing the connection,
-        e.g. its keepalive finding this process silent (stopped, partitioned):
+        UNAVAILABLE while joined is the aggregator ending the stream, e.g.
+        this process's heartbeat was late (it was stopped, or partitioned):
         it counts this rank lost, so a fixed job's rank, alive again, joins
         again (the aggregator then counts it back) and watches anew, on a
         thread of its own. If the aggregator itself went away, that Join fails
@@ -270,6 +289,7 @@ class ShardMembership:
         instead: it must come back as a joiner with the state, which its
         adapter does, never by rejoining its old id here.
         """
+        heartbeats.set()  # their generator returns: gRPC's thread sending them ends
         code = call.code()
         cut = code == grpc.StatusCode.UNAVAILABLE and self.joined[shard] and self._watches[shard] is call
         if cut and not self.elastic:

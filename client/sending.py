@@ -40,15 +40,16 @@ __all__ = ["AggregationError", "PendingPush", "PushTransport", "ShardSender", "U
 log = logging.getLogger(__name__)
 
 
-# What a push hears when the aggregator's keepalive closed its connection: its ping's answer queued
-# behind this host's own bytes on a link too slow (or too far) for --keepalive-timeout. Not a dead
-# aggregator: the advice names the setting instead of asking whether it runs.
+# What a push hears when the aggregator's HTTP/2 keepalive closed its connection: a ping's answer
+# unanswered for a minute (gradq.server.app.CONNECTION_TIMEOUT_S). Liveness itself is the Watch's
+# heartbeat, on a connection no push shares, so this is a link that dropped out or queues pushes for
+# that long, not a dead aggregator: the advice says so instead of asking whether it runs.
 _KEEPALIVE_ADVICE = (
-    "the connection was closed because a keepalive ping went unanswered for the aggregator's --keepalive-timeout; "
-    "while this host is alive, that means its pushes or means queue longer than the timeout ahead of the answer "
-    "(a link too slow or too far for it), or the link dropped out for longer: raise the aggregator's "
-    "--keepalive-timeout (GRADQ_KEEPALIVE_TIMEOUT), "
-    "e.g. to 5 s (docs/operating.md, 'Liveness on slow and long links')"
+    "the connection was closed because a keepalive ping went unanswered for 60 s (or the aggregator's "
+    "--keepalive-timeout, if longer): while this host is alive, the link dropped out for that long or its pushes "
+    "and means queue on it for longer (a link far too slow for them); check the link, or raise the aggregator's "
+    "--keepalive-timeout (GRADQ_KEEPALIVE_TIMEOUT) past the queue (docs/operating.md, 'Liveness on slow and long "
+    "links')"
 )
 
 
@@ -198,6 +199,7 @@ class ShardSender:
         self._stats = stats
         self._rejoin = rejoin
         self._lost_self = lost_self
+        self._advised: set[int] = set()  # shards whose closed connection this process has explained
         self._held_lock = threading.Lock()  # futures settle on gRPC's threads
         self.held_bytes = 0  # bytes of the requests submitted and not yet settled
 
@@ -332,7 +334,8 @@ class ShardSender:
         elif code == grpc.StatusCode.UNAVAILABLE and pending.attempt < self.max_retries:
             if pending.unavailable_since is None:
                 pending.unavailable_since = pending.sent_at
-            if _closed_by_keepalive(call.details() or ""):
+            if _closed_by_keepalive(call.details() or "") and pending.shard not in self._advised:
+                self._advised.add(pending.shard)  # once per shard, not on every retry of every push
                 log.warning("aggregator %s: %s", address, _KEEPALIVE_ADVICE)
             pending.attempt += 1
             delay = self.retry_backoff_s * 2 ** (pending.attempt - 1)

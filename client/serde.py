@@ -168,9 +168,10 @@ def state_chunk(
     )
 
 
-def watch_request(job_id: str, rank: int, incarnation: str = "") -> pb.WatchRequest:
-    """A Watch for one member of one run (``incarnation``) of the job."""
-    return pb.WatchRequest(job_id=job_id, rank=rank, incarnation=incarnation)
+def watch_request(job_id: str, rank: int, incarnation: str = "", heartbeat_ms: int = 0) -> pb.WatchRequest:
+    """A Watch for one member of one run (``incarnation``) of the job, promising a heartbeat every ``heartbeat_ms``
+    (0: none)."""
+    return pb.WatchRequest(job_id=job_id, rank=rank, incarnation=incarnation, heartbeat_ms=heartbeat_ms)
 
 
 def leave_request(job_id: str, rank: int, incarnation: str = "") -> pb.LeaveRequest:

@@ -17,16 +17,16 @@ answers in 1-1.6 s where the warm connections answered in 0.15-0.3 s). So a
 connection has room for twice the bytes it has delivered so far (one push at
 least), growing as TCP's window does.
 
-Where the window wants several connections, the pushes leave the first one
-(the shard's own channel, its Join and Watch) to itself: TCP sends in order,
-so an answer to the aggregator's keepalive ping on a connection waits behind
-the megabytes of pushes queued on it, and a ping unanswered for
---keepalive-timeout (1.5 s) counts the rank lost. Across a 100 ms delay line
-on a busy machine that happened with the pushes on the first connection; on
-another connection it only fails that connection's pushes, which are resent. Extra connections stay open until the
-client closes: the stream on each is pinged by the aggregator every second
-(gradq.server.app's keepalive), so a round after minutes of compute finds them
-connected, their flow-control windows grown.
+The pushes leave the first connection (the shard's own channel: its Join,
+Leave and Watch) to itself, so it always opens one more. TCP sends in order,
+so anything written on a connection waits behind the megabytes of pushes
+queued on it: across a 4-8 Mbit/s link, seconds. The Watch's heartbeats
+(gradq.client.membership) say this process lives; behind pushes they were
+late by more than the aggregator's --keepalive-timeout and a healthy host was
+lost. On a connection of their own they wait behind no push. The extra
+connections stay open until the client closes: the aggregator pings each
+every second (gradq.server.app's keepalive), so a round after minutes of
+compute finds them connected, their flow-control windows grown.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class ShardConnections:
     Args:
         first: the transport over the shard's own channel (the one its Join and Watch use).
         open_connection: opens connection ``index`` (1, 2, ...): its transport and what closes its channel.
-        wanted: how many connections the shard's pushes need now (``ShardWindow.connections``):
-            1 sends them on ``first``; more open that many besides it.
+        wanted: how many connections the shard's pushes need now (``ShardWindow.connections``,
+            at least 1), opened besides ``first``.
     """
 
     def __init__(
@@ -72,7 +72,7 @@ class ShardConnections:
 
     @property
     def first(self) -> _Transport:
-        """The transport over the shard's own channel."""
+        """The transport over the shard's own channel (no push travels on it)."""
         return self._transports[0]
 
     @property
@@ -94,9 +94,8 @@ class ShardConnections:
         with self._lock:
             if self._closed:
                 raise ValueError("the shard's connections are closed")
-            wanted = max(1, self._wanted())
-            # Several wanted: that many besides the first, which keeps its Join and Watch to itself.
-            needed = 1 if wanted == 1 else wanted + 1
+            # That many besides the first, which keeps its Join and Watch (and the heartbeats) to itself.
+            needed = max(1, self._wanted()) + 1
             while len(self._transports) < needed:
                 transport, closer = self._open_connection(len(self._transports))
                 self._transports.append(transport)
@@ -104,7 +103,7 @@ class ShardConnections:
                 self._in_flight.append(0)
                 self._delivered.append(0)
             size = len(request)
-            usable = range(1) if wanted == 1 else range(1, needed)
+            usable = range(1, needed)
             roomy = [i for i in usable if not self._in_flight[i] or self._in_flight[i] + size <= 2 * self._delivered[i]]
             index = min(roomy or usable, key=self._in_flight.__getitem__)
             self._in_flight[index] += size

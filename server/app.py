@@ -55,23 +55,29 @@ _ANSWER_GRACE_S = 2.0
 # Calls gRPC admits beyond the waiting PushPulls, so Join, Leave, health probes and
 # pushes that do not wait always get in, however many calls are parked.
 _RESERVED_CALLS = 64
-# HTTP/2 pings on every connection, answered by gRPC's own threads (a process busy in
-# Python, a long GC or import included, still answers): a process that is stopped, a
-# hung host, a partition or a host that vanishes without closing its connections (power
-# loss, a cut cable) answers none, so its calls, its Watch among them, end within
-# KEEPALIVE_S + KEEPALIVE_TIMEOUT_S and it is lost. A process that dies is found at once
-# (its kernel closes its connections). A host stopped for less than the timeout is not lost.
+# A rank's liveness is its Watch stream's heartbeat (gradq.server.liveness): one late by more than
+# --keepalive-timeout (KEEPALIVE_TIMEOUT_S by default) loses the rank, so a stopped process, a hung host
+# or a partition is found within a heartbeat and that. A process that dies is found at once (its
+# kernel closes its connections).
 KEEPALIVE_S = 1.0
 KEEPALIVE_TIMEOUT_S = 1.5  # the default of ServerOptions.keepalive_timeout_s (--keepalive-timeout)
+# HTTP/2 pings on every connection, answered by gRPC's own threads, close a connection whose peer is
+# gone without a word (power loss, a cut cable) and watch a client that promises no heartbeat. Their
+# answers queue behind the bytes the peer has in flight on that connection: across a 4-8 Mbit/s link
+# the megabytes of pushes a host keeps in flight delay them by seconds, so a timeout that finds a
+# stopped host quickly would cut healthy ones (tests/reliability/test_slow_link_liveness.py). An
+# unanswered ping therefore closes a connection only after this long.
+CONNECTION_TIMEOUT_S = 60.0
 
 
 def _keepalive(timeout_s: float) -> tuple[tuple[str, int], ...]:
+    timeout_ms = int(max(CONNECTION_TIMEOUT_S, timeout_s) * 1000)
     return (
         ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
-        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
         # Every ping's answer, a bandwidth probe's too: one ping is in flight at a time, so a probe
-        # sent just as the peer fell silent would otherwise hold back the keepalive (and the loss).
-        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        # sent just as the peer fell silent would otherwise hold back the keepalive.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC's floor between pings on a connection without data frames (minutes by default in
         # some versions), which would let a silent peer that sends nothing go unpinged.
@@ -142,8 +148,10 @@ class ServerOptions:
             (/status) over HTTP on this port (0 picks one; None serves none).
         exit_after_jobs: stop by itself once this many jobs have finished (every
             rank of each has left); 0 serves until stopped.
-        keepalive_timeout_s: how long a connection may leave the ping (sent every
-            KEEPALIVE_S) unanswered before its calls end and its rank is lost.
+        keepalive_timeout_s: how late a rank's heartbeat (on its Watch stream)
+            may be before the rank is lost; a connection that leaves HTTP/2
+            pings unanswered is closed after the longer of this and
+            CONNECTION_TIMEOUT_S.
         finished_job_series_s: with metrics, how long a job that ended (every
             rank left, or it expired) keeps its series on /metrics, with their
             final values, before they are removed.
@@ -167,8 +175,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0.1 <= self.keepalive_timeout_s <= 3600:
             raise ValueError(
-                f"keepalive_timeout_s={self.keepalive_timeout_s} is invalid; expected 0.1..3600 seconds: how long an "
-                "unanswered ping may wait before the rank is lost"
+                f"keepalive_timeout_s={self.keepalive_timeout_s} is invalid; expected 0.1..3600 seconds: how late a "
+                "rank's heartbeat may be before the rank is lost"
             )
 
 
@@ -213,7 +221,8 @@ class AggregatorServer:
             self.limits.max_streams_per_peer,
         )
         membership = self.metrics.membership_changed if self.metrics is not None else None
-        self.servicer = AggregatorServicer(self.table, waiting, Liveness(self.table, self.limits), membership)
+        liveness = Liveness(self.table, self.limits, self.options.keepalive_timeout_s)
+        self.servicer = AggregatorServicer(self.table, waiting, liveness, membership)
         self.health = health.aio.HealthServicer()
         # grpc.aio serves every call on one event loop, run by its own thread so this
         # class keeps a blocking API; round work of large pushes goes to the loop's default executor.

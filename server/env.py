@@ -66,7 +66,7 @@ SERVE_ENVIRONMENT = {
     "GRADQ_NON_FINITE": "a rank's NaN/Inf gradients: reject fails the round, skip returns zeros marked skipped",
     "GRADQ_MAX_BUCKET_ELEMENTS": "largest bucket accepted, in elements (4 bytes each to accumulate)",
     "GRADQ_GRACE": "seconds rounds in flight get to finish after SIGTERM",
-    "GRADQ_KEEPALIVE_TIMEOUT": "seconds an unanswered ping waits before its rank is lost",
+    "GRADQ_KEEPALIVE_TIMEOUT": "seconds a rank's heartbeat may be late before the rank is lost",
     "GRADQ_EXIT_AFTER_JOBS": "exit 0 once N jobs have finished (every rank left); 0: serve until SIGTERM",
     "GRADQ_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "GRADQ_LOG_FORMAT": "text, or json (one object per line, for log shippers)",

@@ -3,11 +3,19 @@
 A process that dies (SIGKILL, an OOM kill, a crash) has its TCP connections
 closed by its kernel at once, and gRPC ends the calls on them: the stream's end
 is the aggregator's news, within milliseconds, that the rank will push no more.
-A rank that is only slow (a GC pause, a SIGSTOP) keeps its connection, so it is
-not lost; a host that vanishes from the network without closing its
-connections is found by the server's HTTP/2 keepalive (see
-``gradq.server.app``). A rank that left (Leave) first, or a server that is
-stopping, ends streams without losing anyone.
+A process that is stopped (SIGSTOP, a hung driver, a frozen VM) or a host
+that vanishes from the network without closing its connections keeps its
+stream open but falls silent: the client promises a heartbeat on its Watch
+(``WatchRequest.heartbeat_ms``), and one late by more than the aggregator's
+--keepalive-timeout loses the rank. A pause shorter than that loses nobody.
+The heartbeats travel on a connection of their own, which carries no pushes
+(gradq.client.shard_connections): an HTTP/2 ping's answer on a connection full
+of pushes waits behind them, and on a slow link a healthy host's answer was
+late by seconds (tests/reliability/test_slow_link_liveness.py). HTTP/2
+keepalive still closes a connection silent for far longer
+(``gradq.server.app``), which also watches a client that promises no
+heartbeat. A rank that left (Leave) first, or a server that is stopping, ends
+streams without losing anyone.
 
 By default the rounds waiting on a lost rank fail at once for everyone, naming
 it, and so do later rounds of that run (they could never complete), until the
@@ -20,18 +28,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from gradq.server.errors import ResourceExhaustedError
+from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError
 from gradq.server.jobs import Job
 from gradq.server.limits import ServiceLimits
 from gradq.server.rounds import RoundTable
 
-__all__ = ["LOST_REASON", "Liveness", "MemberWatch"]
+__all__ = ["HEARTBEAT_MS", "LOST_REASON", "Heartbeat", "Liveness", "MemberWatch"]
 
 log = logging.getLogger(__name__)
 
 LOST_REASON = "its Watch stream ended without a Leave: its process exited or its host became unreachable"
+# The heartbeat periods a client may promise, in milliseconds: more often than every 50 ms is a flood, and a
+# promise of more than 10 s watches nothing the connection's own keepalive would not.
+HEARTBEAT_MS = (50, 10_000)
 
 
 @dataclass(eq=False, slots=True)
@@ -50,11 +63,14 @@ class Liveness:
         table: the jobs and rounds.
         limits: ``max_watches`` in all; a job may hold at most ``max_world_size``
             (one per rank, also when a host's ranks watch one member).
+        late_after_s: how late a promised heartbeat may be before its rank is
+            lost (--keepalive-timeout).
     """
 
-    def __init__(self, table: RoundTable, limits: ServiceLimits) -> None:
+    def __init__(self, table: RoundTable, limits: ServiceLimits, late_after_s: float) -> None:
         self._table = table
         self._limits = limits
+        self.late_after_s = late_after_s
         self._lock = threading.Lock()
         self._open = 0
 
@@ -88,15 +104,53 @@ class Liveness:
             job.watches += 1
         return MemberWatch(job, rank, job.members.tenure(rank))
 
-    def close(self, watch: MemberWatch) -> None:
-        """A Watch ended; unless its rank left first (or the server is stopping), the rank is lost."""
+    def silence_limit(self, heartbeat_ms: int) -> float | None:
+        """How long a Watch promising a heartbeat every ``heartbeat_ms`` may stay silent (None: it promised none).
+
+        Raises:
+            InvalidArgumentError: ``heartbeat_ms`` is outside ``HEARTBEAT_MS`` (and not 0).
+        """
+        if heartbeat_ms == 0:
+            return None
+        low, high = HEARTBEAT_MS
+        if not low <= heartbeat_ms <= high:
+            raise InvalidArgumentError(
+                f"WatchRequest.heartbeat_ms={heartbeat_ms} is invalid; expected 0 (no heartbeat) or {low}..{high} "
+                "milliseconds between the client's heartbeats"
+            )
+        return heartbeat_ms / 1000 + self.late_after_s
+
+    def close(self, watch: MemberWatch, reason: str = LOST_REASON) -> None:
+        """A Watch ended; unless its rank left first (or the server is stopping), the rank is lost for ``reason``."""
         jobs, job, rank = self._table.jobs, watch.job, watch.rank
         with jobs.lock:
             with self._lock:
                 self._open -= 1
             job.watches -= 1
-            if jobs.closing or job.retired or not job.members.lose(rank, LOST_REASON, watch.tenure):
+            if jobs.closing or job.retired or not job.members.lose(rank, reason, watch.tenure):
                 return
             left = len(job.members.joined)
-        log.warning("rank %d of %s is lost (%d members left): %s", rank, job.describe(), left, LOST_REASON)
-        self._table.member_gone(job, rank, f"rank {rank} was lost ({LOST_REASON})", "rank_lost")
+        log.warning("rank %d of %s is lost (%d members left): %s", rank, job.describe(), left, reason)
+        self._table.member_gone(job, rank, f"rank {rank} was lost ({reason})", "rank_lost")
+
+
+class Heartbeat:
+    """When a Watch's client was last heard from; touched on the server's event loop only.
+
+    Args:
+        clock: the loop's clock (``loop.time``), or a test's.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.heard_at = clock()
+
+    async def listen(self, requests: AsyncIterator[Any]) -> None:
+        """Note every message on the stream (its content is dropped unread) until the client half-closes it."""
+        async for request in requests:
+            request.take()
+            self.heard_at = self._clock()
+
+    def silent_for(self) -> float:
+        """Seconds since the client was last heard."""
+        return self._clock() - self.heard_at

@@ -34,7 +34,7 @@ from gradq.server.errors import (
 )
 from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import Job
-from gradq.server.liveness import Liveness
+from gradq.server.liveness import LOST_REASON, Heartbeat, Liveness
 from gradq.server.membership import ANY_RANK
 from gradq.server.outer_service import OuterJoiners
 from gradq.server.push_streams import PushStreams
@@ -205,30 +205,55 @@ class AggregatorServicer:
         except RoundError as error:
             await _abort(context, error)
 
-    async def Watch(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:  # noqa: N802
-        """Stay open while the rank lives: a parked coroutine, no thread; its end without a Leave loses the rank."""
+    async def Watch(  # noqa: N802
+        self, requests: AsyncIterator[RawRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Stay open while the rank lives: a parked coroutine, no thread; its end without a Leave loses the rank,
+        and so does a promised heartbeat late by more than --keepalive-timeout (gradq.server.liveness)."""
+        heard = requests.__aiter__()
+        try:
+            raw = await heard.__anext__()
+        except StopAsyncIteration:
+            await _abort(context, InvalidArgumentError("the Watch stream sent no WatchRequest; expected one first"))
         request = await _call(context, serde.watch_from_bytes, raw.take())
         await _call(context, check_scope, request.job_id, request.rank)
+        silence_s = await _call(context, self.liveness.silence_limit, request.heartbeat_ms)
         watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        heartbeat = Heartbeat(loop.time)
+        # Ended with the call; a client that half-closes has stopped its heartbeats and falls silent.
+        listening = loop.create_task(heartbeat.listen(heard)) if silence_s is not None else None
         changed = asyncio.Event()
         self._watchers.setdefault(watch.job, set()).add(changed)
+        reason = LOST_REASON
         try:
             yield self._watch_event(watch.job)
-            # Until the server stops or gRPC cancels the call (the client went); an elastic
-            # job's membership changes meanwhile are sent on, coalesced to the latest.
+            # Until the server stops, gRPC cancels the call (the client went) or the heartbeat is late; an
+            # elastic job's membership changes meanwhile are sent on, coalesced to the latest.
             while not self._stopping.is_set():
-                await changed.wait()
-                changed.clear()
-                if not self._stopping.is_set():
-                    yield self._watch_event(watch.job)
+                if silence_s is not None and heartbeat.silent_for() > silence_s:
+                    reason = (
+                        f"it promised a heartbeat every {request.heartbeat_ms} ms on its Watch stream and sent none "
+                        f"for {heartbeat.silent_for():.1f} s (--keepalive-timeout={self.liveness.late_after_s:g}): "
+                        "its process is stopped or its host unreachable"
+                    )
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, bounded_details(f"rank {request.rank}: {reason}"))
+                wake_in = None if silence_s is None else max(0.0, silence_s - heartbeat.silent_for()) + 0.01
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), wake_in)
+                if changed.is_set():
+                    changed.clear()
+                    if not self._stopping.is_set():
+                        yield self._watch_event(watch.job)
         finally:
+            if listening is not None:
+                listening.cancel()
             watchers = self._watchers.get(watch.job, set())
             watchers.discard(changed)
             if not watchers:
                 self._watchers.pop(watch.job, None)
             # Not awaited: the call is being cancelled. Closing rounds takes their locks, so off the loop.
-            asyncio.get_running_loop().run_in_executor(None, self.liveness.close, watch)
+            asyncio.get_running_loop().run_in_executor(None, self.liveness.close, watch, reason)
 
     def _watch_event(self, job: Job) -> bytes:
         """What a Watch sends now: how many joined, and for an elastic job who trains and who waits."""
@@ -339,16 +364,17 @@ def aggregator_handlers(servicer: AggregatorServicer) -> dict[str, grpc.RpcMetho
         )
         for name in ("Join", "PushPull", "Leave", "SeedOuter")
     }
-    for name in ("Watch", "FetchState"):
+    for name in ("FetchState",):
         handlers[name] = grpc.unary_stream_rpc_method_handler(
             getattr(servicer, name), request_deserializer=RawRequest, response_serializer=_as_bytes
         )
     handlers["PutState"] = grpc.stream_unary_rpc_method_handler(
         servicer.PutState, request_deserializer=RawRequest, response_serializer=_as_bytes
     )
-    handlers["PushPullStream"] = grpc.stream_stream_rpc_method_handler(
-        servicer.PushPullStream, request_deserializer=RawRequest, response_serializer=_as_bytes
-    )
+    for name in ("PushPullStream", "Watch"):
+        handlers[name] = grpc.stream_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=RawRequest, response_serializer=_as_bytes
+        )
     return handlers
 
 

@@ -201,14 +201,16 @@ class PushPullResponse(_message.Message):
     def __init__(self, mean: _Optional[_Union[QuantizedTensor, _Mapping]] = ..., contributors: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., skipped: _Optional[bool] = ..., sequence: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., refusal: _Optional[_Union[Refusal, str]] = ..., step: _Optional[int] = ..., bucket: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "incarnation")
+    __slots__ = ("job_id", "rank", "incarnation", "heartbeat_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     incarnation: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("joined", "members", "ranks", "joiners", "donor")

@@ -49,7 +49,7 @@ class AggregatorStub:
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.FromString,
                 _registered_method=True)
-        self.Watch = channel.unary_stream(
+        self.Watch = channel.stream_stream(
                 '/gradq.v1.Aggregator/Watch',
                 request_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.SerializeToString,
                 response_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchEvent.FromString,
@@ -113,10 +113,12 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Watch(self, request, context):
+    def Watch(self, request_iterator, context):
         """Held open by every joined rank until it leaves. Its end without a Leave
         (the process died, the host went away) tells the aggregator at once that
-        the rank is lost: the rounds waiting on it fail, naming it.
+        the rank is lost: the rounds waiting on it fail, naming it; so does a
+        promised heartbeat that stops (a stopped process, a partition). A client
+        that sends one request and half-closes is watched by HTTP/2 keepalive only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,7 +181,7 @@ def add_AggregatorServicer_to_server(servicer, server):
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullRequest.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.PushPullResponse.SerializeToString,
             ),
-            'Watch': grpc.unary_stream_rpc_method_handler(
+            'Watch': grpc.stream_stream_rpc_method_handler(
                     servicer.Watch,
                     request_deserializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.FromString,
                     response_serializer=gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchEvent.SerializeToString,
@@ -302,7 +304,7 @@ class Aggregator:
             _registered_method=True)
 
     @staticmethod
-    def Watch(request,
+    def Watch(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -312,8 +314,8 @@ class Aggregator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/gradq.v1.Aggregator/Watch',
             gradq_dot_proto_dot_v1_dot_aggregator__pb2.WatchRequest.SerializeToString,

@@ -189,21 +189,22 @@ def test_new_connections_take_twice_what_they_delivered_and_leave_the_first_to_i
     wanted = [1]
     connections = ShardConnections(first, open_connection, lambda: wanted[0])
     push = b"x" * 1000
-    warm = [connections.send(push, sequence) for sequence in range(4)]  # one connection: all on it
-    assert len(first.sent) == 4 and not opened
+    warm = [connections.send(push, sequence) for sequence in range(4)]  # one connection besides the first: all on it
+    assert connections.opened == 2 and len(opened[0].sent) == 4
     for reply in warm:
-        reply.settle()  # the first connection delivered 4000 bytes
-    wanted[0] = 2  # two besides the first, which keeps its Join and Watch to itself from now on
-    for sequence in range(4, 6):
+        reply.settle()  # it delivered 4000 bytes
+    wanted[0] = 2
+    for sequence in range(4, 7):
         connections.send(push, sequence)
-    assert connections.opened == 3 and len(first.sent) == 4
-    assert [len(extra.sent) for extra in opened] == [1, 1]  # new: one push each, then no room
-    opened[0].sent[0].settle()  # it delivered a push: room for two
-    for sequence in range(6, 9):
+    # The new one takes one push, then has no room until it delivers; the warm one takes the rest.
+    assert [len(extra.sent) for extra in opened] == [6, 1]
+    opened[1].sent[0].settle()  # it delivered a push: room for two
+    for sequence in range(7, 10):
         connections.send(push, sequence)
-    # Two went to the connection with room; the third to the least loaded, as every one is full.
-    assert [len(extra.sent) for extra in opened] == [3, 2]
-    assert connections.in_flight() == [0, 2000, 2000]
+    # Two went to the new connection (the less loaded, with room), the third to the other with room.
+    assert [len(extra.sent) for extra in opened] == [7, 3]
+    assert connections.in_flight() == [0, 3000, 2000]
+    assert not first.sent  # no push ever shares the Join's and the Watch's connection
     connections.close()
     assert first.closed and all(extra.closed for extra in opened) and closed == [1, 2]
     with pytest.raises(ValueError, match="closed"):

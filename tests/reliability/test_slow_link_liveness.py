@@ -1,12 +1,14 @@
-"""A host behind a slow link: what the aggregator's keepalive makes of pushes that queue for seconds.
+"""A host behind a slow link trains with the defaults, though its pushes queue for seconds.
 
-The aggregator pings every connection (gradq.server.app) and closes one whose
-answer is late by --keepalive-timeout. TCP delivers in order, so on a link
-slower than the bytes a client has queued (a push of 2 MiB on a 4 Mbit/s link
-takes 4 s) the answer waits behind them: with the default timeout (1.5 s) the
-host is lost, and it is told which setting to raise; with the timeout raised
-past the queue it trains with nothing lost. Thresholds for other rates are in
-docs/operating.md.
+TCP delivers in order, so on a link slower than the bytes a client has queued
+(a push of 2 MiB on a 4 Mbit/s link takes 4 s) anything written after them
+waits that long. When the aggregator judged liveness by HTTP/2 pings answered
+within --keepalive-timeout (1.5 s) on the connection the pushes used, the
+answer queued behind them and this healthy host was lost at its first push.
+Now its liveness is the Watch's heartbeat, on a connection no push shares
+(gradq.client.shard_connections), and the pushes' own connection is closed by
+an unanswered ping only after a minute (gradq.server.app): nothing is lost,
+and no push is resent.
 
 A real ``gradq serve`` and a real client run in two network namespaces
 (bench/netns.py) joined by a tbf-shaped veth link. Needs root (namespaces, tc):
@@ -33,7 +35,7 @@ from gradq.server.process import free_port
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 RATE = "4mbit"  # 0.5 MB/s each way: a 2 MiB push holds a ping's answer back about 4 s
 ELEMENTS = 1 << 21  # one push of 2 MiB at 8 bits, and its mean back as large
-ROUNDS = 2
+ROUNDS = 3
 
 pytestmark = pytest.mark.e2e
 
@@ -116,21 +118,10 @@ def _train(slow_link: tuple[Any, Any], tmp_path: Path, job: str, *flags: str) ->
     return [json.loads(line) for line in client.stdout.splitlines() if line.startswith("{")], served
 
 
-def test_with_the_default_keepalive_a_host_whose_pushes_queue_past_it_is_told_what_to_raise(
+def test_with_the_defaults_a_host_whose_pushes_queue_for_seconds_trains_with_nothing_lost(
     slow_link: tuple[Any, Any], tmp_path: Path
 ) -> None:
-    lines, served = _train(slow_link, tmp_path, "default-keepalive")
-    errors = [line["error"] for line in lines if "error" in line]
-    assert len(errors) == 1, lines
-    assert "keepalive ping went unanswered" in errors[0] and "--keepalive-timeout" in errors[0], errors
-    assert "GRADQ_KEEPALIVE_TIMEOUT" in errors[0] and "is the aggregator running" not in errors[0], errors
-    assert "is lost" in served, served[-3000:]
-
-
-def test_with_the_keepalive_raised_past_the_queue_the_host_trains_with_nothing_lost(
-    slow_link: tuple[Any, Any], tmp_path: Path
-) -> None:
-    lines, served = _train(slow_link, tmp_path, "raised-keepalive", "--keepalive-timeout", "6")
+    lines, served = _train(slow_link, tmp_path, "defaults")
     # Every round answered with the rank's own values (world 1: the mean is its push, to 8 bits).
     assert [line["step"] for line in lines[:-1]] == list(range(ROUNDS)), lines
     assert all(line["max_error"] < 0.1 for line in lines[:-1]), lines

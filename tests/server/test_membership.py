@@ -54,7 +54,7 @@ def test_a_partial_round_at_its_deadline_names_the_live_members_that_did_not_pus
 
 def watching_table() -> tuple[RoundTable, Liveness]:
     table = RoundTable(RoundPolicy(round_timeout_s=30.0))
-    return table, Liveness(table, ServiceLimits())
+    return table, Liveness(table, ServiceLimits(), late_after_s=1.5)
 
 
 def members_of(table: RoundTable, job_id: str) -> Membership:

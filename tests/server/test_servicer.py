@@ -238,7 +238,9 @@ def test_decoded_push_matches_what_client_encoded() -> None:
 
 def test_every_rpc_of_the_proto_has_a_handler() -> None:
     table = RoundTable(RoundPolicy())
-    handlers = aggregator_handlers(AggregatorServicer(table, WaitingCalls(1, 1, 1), Liveness(table, ServiceLimits())))
+    handlers = aggregator_handlers(
+        AggregatorServicer(table, WaitingCalls(1, 1, 1), Liveness(table, ServiceLimits(), late_after_s=1.5))
+    )
     # Shards answers the server's configuration, not round state: gradq.server.shard_group registers it beside these.
     assert set(handlers) | {"Shards"} == set(pb.DESCRIPTOR.services_by_name["Aggregator"].methods_by_name)
 
@@ -251,14 +253,14 @@ def test_watch_streams_are_refused_without_a_join_and_past_their_caps() -> None:
     stub = pb_grpc.AggregatorStub(channel)
     try:
         with pytest.raises(grpc.RpcError) as refused:
-            next(stub.Watch(pb.WatchRequest(job_id="w", rank=0), timeout=5))
+            next(stub.Watch(iter([pb.WatchRequest(job_id="w", rank=0)]), timeout=5))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "has no joined ranks; call Join first" in (refused.value.details() or "")
         stub.Join(pb.JoinRequest(job_id="w", rank=0, world_size=2), timeout=5)
-        held = [stub.Watch(pb.WatchRequest(job_id="w", rank=0)) for _ in range(2)]
+        held = [stub.Watch(iter([pb.WatchRequest(job_id="w", rank=0)])) for _ in range(2)]
         assert [next(stream).joined for stream in held] == [1, 1]
         with pytest.raises(grpc.RpcError) as full:
-            next(stub.Watch(pb.WatchRequest(job_id="w", rank=0), timeout=5))
+            next(stub.Watch(iter([pb.WatchRequest(job_id="w", rank=0)]), timeout=5))
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 Watch streams are open, this aggregator's limit (--max-watches)" in (full.value.details() or "")
         for stream in held:

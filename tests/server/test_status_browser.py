@@ -110,7 +110,7 @@ def test_the_status_page_in_a_real_browser(
         stub = pb_grpc.AggregatorStub(channel)
         for rank in range(2):
             stub.Join(client_serde.join_request("bert-b", rank, 2), timeout=5)
-        watch = stub.Watch(client_serde.watch_request("bert-b", 1))
+        watch = stub.Watch(iter([client_serde.watch_request("bert-b", 1)]))
         next(watch)  # its first event: the aggregator holds the stream
         watch.cancel()
     # A job whose id is markup, with a failed round that quotes it.

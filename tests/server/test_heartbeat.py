@@ -1,0 +1,105 @@
+"""A Watch's heartbeat: a member that promises one and falls silent is lost, naming why; a bad promise is refused.
+
+A real server on a real port; the silent member is a raw stream whose
+heartbeats the test stops without closing it, as a stopped process or a
+partition would. The other member is a real WorkerClient, heartbeats and all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+from waiting import wait_until
+
+from gradq.client import AggregationError, WorkerClient
+from gradq.client import serde as client_serde
+from gradq.proto.v1 import aggregator_pb2 as pb
+from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.qcore import QuantConfig
+from gradq.server.app import AggregatorServer
+from gradq.server.policy import RoundPolicy
+
+StartAggregator = Callable[..., AggregatorServer]
+StubFor = Callable[[AggregatorServer], pb_grpc.AggregatorStub]
+
+
+class Beats:
+    """A Watch's requests: the first, then one every ``every_s`` while ``beating`` is set, never half-closed
+    until ``release``."""
+
+    def __init__(self, request: pb.WatchRequest, every_s: float) -> None:
+        self.request, self.every_s = request, every_s
+        self.beating, self.release = threading.Event(), threading.Event()
+        self.beating.set()
+        self.sent = 0
+
+    def __iter__(self) -> Iterator[pb.WatchRequest]:
+        yield self.request
+        while not self.release.wait(self.every_s):
+            if self.beating.is_set():
+                self.sent += 1
+                yield pb.WatchRequest()
+
+
+def test_a_member_whose_heartbeat_stops_is_lost_naming_why_while_one_that_beats_trains_on(
+    start_aggregator: StartAggregator, stub_for: StubFor
+) -> None:
+    server = start_aggregator(RoundPolicy(round_timeout_s=30.0), keepalive_timeout_s=1.0)
+    stub = stub_for(server)
+    stub.Join(client_serde.join_request("beats", 1, 2), timeout=5)
+    beats = Beats(client_serde.watch_request("beats", 1, heartbeat_ms=100), 0.1)
+    watch = stub.Watch(iter(beats))
+    worker = WorkerClient(f"127.0.0.1:{server.port}", "beats", 0, 2, QuantConfig(bits=8))
+    try:
+        next(watch)  # the first event: the aggregator holds the stream
+        worker.join()  # and the worker's Watch, beating every second
+        # Heartbeats for 2.5 s, more than twice the 1.1 s of silence the aggregator allows: nobody is lost.
+        wait_until(lambda: beats.sent >= 25, "25 heartbeats sent", 30)
+        assert not watch.done() and server.servicer.liveness.open_watches == 2
+        # The heartbeats stop; the stream stays open, as a stopped process's would.
+        beats.beating.clear()
+        wait_until(watch.done, "the silent member's Watch ended", 30)
+        assert watch.code() == grpc.StatusCode.UNAVAILABLE
+        assert "promised a heartbeat every 100 ms" in (watch.details() or "")
+        assert "--keepalive-timeout=1" in (watch.details() or ""), watch.details()
+        # The member that beats trains on and hears why the other is gone.
+        with pytest.raises(AggregationError, match=r"rank 1 was lost \(it promised a heartbeat every 100 ms"):
+            worker.push_pull(0, 0, np.ones(8, np.float32))
+        assert server.servicer.liveness.open_watches == 1  # the worker's, still beating
+    finally:
+        beats.release.set()
+        watch.cancel()
+        worker.close()
+
+
+@pytest.mark.parametrize("heartbeat_ms", [1, 49, 10_001])
+def test_a_heartbeat_promise_outside_its_range_is_refused_by_name_and_watches_nothing(
+    start_aggregator: StartAggregator, stub_for: StubFor, heartbeat_ms: int
+) -> None:
+    server = start_aggregator()
+    stub = stub_for(server)
+    stub.Join(client_serde.join_request("promises", 0, 1), timeout=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(stub.Watch(iter([client_serde.watch_request("promises", 0, heartbeat_ms=heartbeat_ms)]), timeout=5))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"WatchRequest.heartbeat_ms={heartbeat_ms} is invalid; expected 0 (no heartbeat) or 50..10000" in (
+        refused.value.details() or ""
+    )
+    assert server.servicer.liveness.open_watches == 0
+    # The rank is still joined and can watch with a good promise.
+    watch = stub.Watch(iter([client_serde.watch_request("promises", 0)]))
+    next(watch)
+    assert server.servicer.liveness.open_watches == 1
+    watch.cancel()
+
+
+def test_a_watch_stream_that_sends_no_request_is_refused(start_aggregator: StartAggregator, stub_for: StubFor) -> None:
+    server = start_aggregator()
+    with pytest.raises(grpc.RpcError) as refused:
+        next(stub_for(server).Watch(iter([]), timeout=5))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sent no WatchRequest" in (refused.value.details() or "")
