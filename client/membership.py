@@ -112,6 +112,7 @@ class ShardMembership:
         self._rank_changed = rank_changed
         self.addresses: list[str] = []
         self._stubs: list[Any] = []
+        self._upload_stubs: list[Any] = []  # per shard: the state's and the seeds' uploads (see ``attach``)
         # Each shard's run of the job: the first shard's is the member's run; a shard answers with the run it holds.
         self.incarnations = [incarnation]
         self.joined: list[bool] = []  # per shard: joined, so a push may go there without a Join first
@@ -120,9 +121,15 @@ class ShardMembership:
         self._watch_lock = threading.Lock()  # two pushes' retries may rejoin one shard at once
         self._asked = (rank, incarnation)  # the id and run the first Join asked for (an elastic start-over's)
 
-    def attach(self, addresses: list[str], stubs: list[Any]) -> None:
-        """The shards, in order (again after discovery learned the group): none is joined yet."""
+    def attach(self, addresses: list[str], stubs: list[Any], upload_stubs: list[Any] | None = None) -> None:
+        """The shards, in order (again after discovery learned the group): none is joined yet.
+
+        ``stubs`` carry the Join, Watch (its heartbeats) and Leave; ``upload_stubs``, on connections of their
+        own, the training state a donor sends and DiLoCo's seeds, which would hold the heartbeats back
+        (None: ``stubs``).
+        """
         self.addresses, self._stubs = list(addresses), list(stubs)
+        self._upload_stubs = list(upload_stubs) if upload_stubs is not None else list(stubs)
         self.incarnations = [self.incarnations[0]] * len(addresses)
         self.joined = [False] * len(addresses)
         self._watches = [None] * len(addresses)
@@ -394,9 +401,9 @@ class ShardMembership:
         # pushes any of that step there, so none of those rounds can complete without it (as on the first).
         for shard in range(1, len(self._stubs)):
             header = serde.state_chunk(self.job_id, self.rank, self.incarnations[shard], joiner, step, 0, b"")
-            send_state(self._stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
+            send_state(self._upload_stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
         header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
-        return send_state(self._stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
+        return send_state(self._upload_stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
 
     def shard_of(self, key: int) -> int:
         """The shard that owns round key ``key`` (gradq.client.chunks.shard_for)."""
@@ -433,7 +440,7 @@ class ShardMembership:
             b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
         )
         try:
-            answer = self._stubs[shard].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
+            answer = self._upload_stubs[shard].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise AggregationError.of_call(self.addresses[shard], error) from None
         return answer.matched, answer.step, answer.parameters, answer.momentum

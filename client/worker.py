@@ -51,6 +51,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# The connection index of a shard's state uploads: one ShardConnections never opens for pushes.
+_STATE_CONNECTION = 1 << 16
+
 # PushPull travels as bytes serde builds and parses itself (payload copied once each way).
 _PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
 _PUSH_PULL_STREAM_METHOD = f"{_PUSH_PULL_METHOD}Stream"
@@ -178,6 +181,7 @@ class WorkerClient:
         # One address may be one shard of a group: ``join`` asks it for the others first.
         self._discover = len(self.addresses) == 1
         self._channels: list[grpc.Channel] = []
+        self._state_channels: list[grpc.Channel] = []  # per shard: the training state's and the seeds' uploads
         self._open_shards(self.addresses)
 
     def _open_shards(self, addresses: list[str]) -> None:
@@ -191,7 +195,16 @@ class WorkerClient:
             opened.get(address) or self.security.channel(address, self._channel_options) for address in addresses
         ]
         self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
-        self.membership.attach(self.addresses, self._stubs)
+        for channel in self._state_channels:
+            channel.close()
+        # The training state and DiLoCo's seeds go up in megabytes: on the first connection they would hold
+        # back the Watch's heartbeats behind them (gradq.client.shard_connections). gRPC connects a channel
+        # at its first call, so a job that never sends either never opens these.
+        state_options = channel_options(self._max_message_bytes, connection=_STATE_CONNECTION)
+        self._state_channels = [self.security.channel(address, state_options) for address in addresses]
+        self.membership.attach(
+            self.addresses, self._stubs, [pb_grpc.AggregatorStub(channel) for channel in self._state_channels]
+        )
         timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
         window: ShardWindow[PendingPush] = ShardWindow(len(self.addresses), max_in_flight, self.window_settings)
         transports = [
@@ -271,7 +284,7 @@ class WorkerClient:
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
         self.membership.leave()
         self._sender.close()
-        for channel in self._channels:
+        for channel in self._channels + self._state_channels:
             channel.close()
 
     def __enter__(self) -> WorkerClient:

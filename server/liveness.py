@@ -26,6 +26,7 @@ member and goes on: its open rounds finish over the members left.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +38,7 @@ from gradq.server.jobs import Job
 from gradq.server.limits import ServiceLimits
 from gradq.server.rounds import RoundTable
 
-__all__ = ["HEARTBEAT_MS", "LOST_REASON", "Heartbeat", "Liveness", "MemberWatch"]
+__all__ = ["HEARTBEAT_MS", "LOST_REASON", "Heartbeat", "Heartbeats", "Liveness", "MemberWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +136,18 @@ class Liveness:
 
 
 class Heartbeat:
-    """When a Watch's client was last heard from; touched on the server's event loop only.
+    """When a Watch's client was last heard from, and whether it is late; touched on the event loop only.
 
     Args:
+        limit_s: how long the client may stay silent (``Liveness.silence_limit``).
+        wake: set when it turns late (the Watch then ends, losing its rank).
         clock: the loop's clock (``loop.time``), or a test's.
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
+    def __init__(self, limit_s: float, wake: asyncio.Event, clock: Callable[[], float]) -> None:
+        self.limit_s, self._wake, self._clock = limit_s, wake, clock
         self.heard_at = clock()
+        self.late = False
 
     async def listen(self, requests: AsyncIterator[Any]) -> None:
         """Note every message on the stream (its content is dropped unread) until the client half-closes it."""
@@ -154,3 +158,50 @@ class Heartbeat:
     def silent_for(self) -> float:
         """Seconds since the client was last heard."""
         return self._clock() - self.heard_at
+
+    def check(self, now: float) -> None:
+        """Turn ``late`` (and wake the Watch) if the client has been silent past its limit at ``now``."""
+        if not self.late and now - self.heard_at > self.limit_s:
+            self.late = True
+            self._wake.set()
+
+
+class Heartbeats:
+    """Every Watch's heartbeat, checked together: one timer for the aggregator, none per stream.
+
+    Args:
+        period_s: how often they are checked (a late one is found at most this much later).
+        clock: the loop's clock (``loop.time``), or a test's.
+    """
+
+    def __init__(self, period_s: float, clock: Callable[[], float]) -> None:
+        self.period_s, self._clock = period_s, clock
+        self._beating: set[Heartbeat] = set()
+        self._checking: asyncio.Task[None] | None = None
+
+    def add(self, limit_s: float, wake: asyncio.Event) -> Heartbeat:
+        """Watch a new stream's heartbeat (on the loop), checking from now on; ``wake`` is set when it turns late."""
+        heartbeat = Heartbeat(limit_s, wake, self._clock)
+        self._beating.add(heartbeat)
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.get_running_loop().create_task(self._check_while_beating())
+        return heartbeat
+
+    def discard(self, heartbeat: Heartbeat) -> None:
+        self._beating.discard(heartbeat)
+
+    def check(self) -> None:
+        """Flag every heartbeat late now."""
+        now = self._clock()
+        for heartbeat in self._beating:
+            heartbeat.check(now)
+
+    def stop(self) -> None:
+        """Stop checking (the server is stopping; its Watch streams end without losing anyone)."""
+        if self._checking is not None:
+            self._checking.cancel()
+
+    async def _check_while_beating(self) -> None:
+        while self._beating:
+            await asyncio.sleep(self.period_s)
+            self.check()

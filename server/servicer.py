@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, TypeVar
@@ -34,7 +35,7 @@ from gradq.server.errors import (
 )
 from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import Job
-from gradq.server.liveness import LOST_REASON, Heartbeat, Liveness
+from gradq.server.liveness import LOST_REASON, Heartbeats, Liveness
 from gradq.server.membership import ANY_RANK
 from gradq.server.outer_service import OuterJoiners
 from gradq.server.push_streams import PushStreams
@@ -53,6 +54,8 @@ T = TypeVar("T")
 # How long a Join whose model disagrees with another host's waits for the start quorum to decide, at most
 # (see AggregatorServicer._await_model).
 _MODEL_WAIT_S = 60.0
+# How often the Watch streams' heartbeats are checked: a late one is found at most this much past its limit.
+_HEARTBEAT_CHECK_S = 0.1
 
 
 class RawRequest:
@@ -108,6 +111,8 @@ class AggregatorServicer:
         # Each elastic job's open Watch streams, woken to send its members whenever they change.
         self._watchers: dict[Job, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, known from the first Watch
+        # The Watch streams' heartbeats, checked together on the loop (a late one is found within this period).
+        self._heartbeats = Heartbeats(_HEARTBEAT_CHECK_S, time.monotonic)
         # Joins waiting for their job's start quorum to decide its model, by job id: woken when its vote may have
         # changed (the table's ``model_vote_changed``). Touched on the loop only; the loop is known from the first.
         self._model_waits: dict[str, set[asyncio.Event]] = {}
@@ -220,10 +225,10 @@ class AggregatorServicer:
         silence_s = await _call(context, self.liveness.silence_limit, request.heartbeat_ms)
         watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
         loop = self._loop = asyncio.get_running_loop()
-        heartbeat = Heartbeat(loop.time)
-        # Ended with the call; a client that half-closes has stopped its heartbeats and falls silent.
-        listening = loop.create_task(heartbeat.listen(heard)) if silence_s is not None else None
         changed = asyncio.Event()
+        heartbeat = self._heartbeats.add(silence_s, changed) if silence_s is not None else None
+        # Ended with the call; a client that half-closes has stopped its heartbeats and falls silent.
+        listening = loop.create_task(heartbeat.listen(heard)) if heartbeat is not None else None
         self._watchers.setdefault(watch.job, set()).add(changed)
         reason = LOST_REASON
         try:
@@ -231,21 +236,20 @@ class AggregatorServicer:
             # Until the server stops, gRPC cancels the call (the client went) or the heartbeat is late; an
             # elastic job's membership changes meanwhile are sent on, coalesced to the latest.
             while not self._stopping.is_set():
-                if silence_s is not None and heartbeat.silent_for() > silence_s:
+                if heartbeat is not None and heartbeat.late:
                     reason = (
                         f"it promised a heartbeat every {request.heartbeat_ms} ms on its Watch stream and sent none "
                         f"for {heartbeat.silent_for():.1f} s (--keepalive-timeout={self.liveness.late_after_s:g}): "
                         "its process is stopped or its host unreachable"
                     )
                     await context.abort(grpc.StatusCode.UNAVAILABLE, bounded_details(f"rank {request.rank}: {reason}"))
-                wake_in = None if silence_s is None else max(0.0, silence_s - heartbeat.silent_for()) + 0.01
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(changed.wait(), wake_in)
-                if changed.is_set():
-                    changed.clear()
-                    if not self._stopping.is_set():
-                        yield self._watch_event(watch.job)
+                await changed.wait()
+                changed.clear()
+                if not self._stopping.is_set() and not (heartbeat is not None and heartbeat.late):
+                    yield self._watch_event(watch.job)
         finally:
+            if heartbeat is not None:
+                self._heartbeats.discard(heartbeat)
             if listening is not None:
                 listening.cancel()
             watchers = self._watchers.get(watch.job, set())
@@ -282,6 +286,7 @@ class AggregatorServicer:
     async def end_watches(self) -> None:
         """End every Watch stream (the server is stopping: no rank is lost by it), and each PushPullStream once idle."""
         self._stopping.set()
+        self._heartbeats.stop()
         for watchers in self._watchers.values():
             for changed in watchers:
                 changed.set()

@@ -1,12 +1,13 @@
 """A host behind a slow link trains with the defaults, though its pushes queue for seconds.
 
 TCP delivers in order, so on a link slower than the bytes a client has queued
-(a push of 2 MiB on a 4 Mbit/s link takes 4 s) anything written after them
+(a push of 2 MiB on a 4 Mbit/s link takes 4 s; a DiLoCo seed of 8 MB, 16 s) anything written after them
 waits that long. When the aggregator judged liveness by HTTP/2 pings answered
 within --keepalive-timeout (1.5 s) on the connection the pushes used, the
 answer queued behind them and this healthy host was lost at its first push.
 Now its liveness is the Watch's heartbeat, on a connection no push shares
-(gradq.client.shard_connections), and the pushes' own connection is closed by
+(gradq.client.shard_connections); the training state and the seeds go up on
+another (gradq.client.worker); and the pushes' own connection is closed by
 an unanswered ping only after a minute (gradq.server.app): nothing is lost,
 and no push is resent.
 
@@ -80,17 +81,23 @@ from gradq.client.sending import AggregationError
 from gradq.client.worker import WorkerClient
 from gradq.qcore import QuantConfig
 
-address, job, rounds, elements = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+address, job, ROUNDS, elements = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 # No retries: a push whose connection the aggregator closed fails at once instead of being resent.
 client = WorkerClient(address, job, 0, 1, QuantConfig(bits=8), chunk_elements=elements, max_retries=0)
 client.join()
 values = np.random.default_rng(0).standard_normal(elements).astype(np.float32)
 try:
-    for step in range(rounds):
+    for step in range(ROUNDS):
         mean = client.push_pull(step, 0, values)
         print(json.dumps({"step": step, "max_error": float(np.max(np.abs(mean - values)))}), flush=True)
 except AggregationError as error:
     print(json.dumps({"error": str(error)}), flush=True)
+# A DiLoCo seed's upload, as large as the pushes: this job has no outer step, so it is refused once it
+# has arrived, but its bytes take seconds on the link all the same.
+try:
+    client.membership.seed_outer(ROUNDS, 0, 1, values, None)
+except AggregationError as error:
+    print(json.dumps({"seed": error.code.name if error.code else None, "details": str(error)}), flush=True)
 print(json.dumps({"pushes": client.stats().pushes}), flush=True)
 client.close()
 """
@@ -122,9 +129,14 @@ def test_with_the_defaults_a_host_whose_pushes_queue_for_seconds_trains_with_not
     slow_link: tuple[Any, Any], tmp_path: Path
 ) -> None:
     lines, served = _train(slow_link, tmp_path, "defaults")
+    rounds = [line for line in lines if "step" in line]
     # Every round answered with the rank's own values (world 1: the mean is its push, to 8 bits).
-    assert [line["step"] for line in lines[:-1]] == list(range(ROUNDS)), lines
-    assert all(line["max_error"] < 0.1 for line in lines[:-1]), lines
+    assert [line["step"] for line in rounds] == list(range(ROUNDS)), lines
+    assert all(line["max_error"] < 0.1 for line in rounds), lines
+    # The seed arrived whole and was refused for what it is, not for a lost member: its 8 MB went up on a
+    # connection of their own, not ahead of the heartbeats.
+    (seed,) = [line for line in lines if "seed" in line]
+    assert seed["seed"] == "FAILED_PRECONDITION" and "outer" in seed["details"], seed
     # No connection was closed under it (a push on it would have failed: no retries), and no one was lost.
     assert lines[-1] == {"pushes": ROUNDS}, lines
     assert "is lost" not in served and "ping_timeout" not in served, served[-3000:]
