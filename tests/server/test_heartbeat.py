@@ -7,8 +7,9 @@ partition would. The other member is a real WorkerClient, heartbeats and all.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -21,7 +22,10 @@ from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
+from gradq.server.limits import ServiceLimits
+from gradq.server.liveness import HEARTBEAT_MS, Heartbeats, Liveness
 from gradq.server.policy import RoundPolicy
+from gradq.server.rounds import RoundTable
 
 StartAggregator = Callable[..., AggregatorServer]
 StubFor = Callable[[AggregatorServer], pb_grpc.AggregatorStub]
@@ -103,3 +107,53 @@ def test_a_watch_stream_that_sends_no_request_is_refused(start_aggregator: Start
         next(stub_for(server).Watch(iter([]), timeout=5))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sent no WatchRequest" in (refused.value.details() or "")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Message:
+    def take(self) -> bytes:
+        return b""
+
+
+def test_a_heartbeat_turns_late_only_past_its_limit_and_each_message_resets_it() -> None:
+    clock = Clock()
+
+    async def scenario() -> list[tuple[bool, bool]]:
+        heartbeats = Heartbeats(3600.0, clock)  # the test checks by hand: the periodic check never runs
+        wake = asyncio.Event()
+        beat = heartbeats.add(2.0, wake)
+        seen = []
+        clock.now += 2.0  # at the limit: not late
+        heartbeats.check()
+        seen.append((beat.late, wake.is_set()))
+
+        async def one_message() -> AsyncIterator[Message]:
+            yield Message()
+
+        await beat.listen(one_message())  # heard now: the silence starts again
+        clock.now += 1.5
+        heartbeats.check()
+        seen.append((beat.late, wake.is_set()))
+        clock.now += 0.6  # 2.1 s since it was heard
+        heartbeats.check()
+        seen.append((beat.late, wake.is_set()))
+        heartbeats.discard(beat)
+        heartbeats.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, False), (False, False), (True, True)]
+
+
+def test_the_silence_allowed_is_the_promised_period_and_the_timeout() -> None:
+    table = RoundTable(RoundPolicy())
+    liveness = Liveness(table, ServiceLimits(), late_after_s=1.5)
+    assert liveness.silence_limit(0) is None
+    assert liveness.silence_limit(1000) == pytest.approx(2.5)
+    assert liveness.silence_limit(HEARTBEAT_MS[0]) == pytest.approx(1.55)
