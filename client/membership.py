@@ -57,8 +57,8 @@ class JobEndedError(AggregationError):
 
 # How often a Watch says this process lives (WatchRequest.heartbeat_ms). The aggregator loses a member silent
 # for longer than this and its --keepalive-timeout (1.5 s by default) together; a stopped process sends its
-# heartbeat as it resumes, so a stop shorter than the timeout loses nobody. Each heartbeat costs the
-# aggregator about 0.2 ms of CPU (bench/watch_cost.py --heartbeat-ms).
+# heartbeat as it resumes, so a stop shorter than the timeout loses nobody. What the heartbeats cost the
+# aggregator: bench/watch_cost.py --heartbeat-ms.
 HEARTBEAT_S = 1.0
 
 
