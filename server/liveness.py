@@ -27,6 +27,7 @@ member and goes on: its open rounds finish over the members left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -141,7 +142,7 @@ class Heartbeat:
     Args:
         limit_s: how long the client may stay silent (``Liveness.silence_limit``).
         wake: set when it turns late (the Watch then ends, losing its rank).
-        clock: the loop's clock (``loop.time``), or a test's.
+        clock: a monotonic clock (``time.monotonic``), or a test's.
     """
 
     def __init__(self, limit_s: float, wake: asyncio.Event, clock: Callable[[], float]) -> None:
@@ -151,9 +152,11 @@ class Heartbeat:
 
     async def listen(self, requests: AsyncIterator[Any]) -> None:
         """Note every message on the stream (its content is dropped unread) until the client half-closes it."""
-        async for request in requests:
-            request.take()
-            self.heard_at = self._clock()
+        # A call that ends under it (cancelled, aborted) ends this too: the Watch's own end says why.
+        with contextlib.suppress(Exception):
+            async for request in requests:
+                request.take()
+                self.heard_at = self._clock()
 
     def silent_for(self) -> float:
         """Seconds since the client was last heard."""
@@ -171,7 +174,7 @@ class Heartbeats:
 
     Args:
         period_s: how often they are checked (a late one is found at most this much later).
-        clock: the loop's clock (``loop.time``), or a test's.
+        clock: a monotonic clock (``time.monotonic``), or a test's.
     """
 
     def __init__(self, period_s: float, clock: Callable[[], float]) -> None:
