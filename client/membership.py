@@ -122,15 +122,13 @@ class ShardMembership:
         self._watch_lock = threading.Lock()  # two pushes' retries may rejoin one shard at once
         self._asked = (rank, incarnation)  # the id and run the first Join asked for (an elastic start-over's)
 
-    def attach(self, addresses: list[str], stubs: list[Any], upload_stubs: list[Any] | None = None) -> None:
+    def attach(self, addresses: list[str], stubs: list[Any], upload_stubs: list[Any]) -> None:
         """The shards, in order (again after discovery learned the group): none is joined yet.
 
         ``stubs`` carry the Join, Watch (its heartbeats) and Leave; ``upload_stubs``, on connections of their
-        own, the training state a donor sends and DiLoCo's seeds, which would hold the heartbeats back
-        (None: ``stubs``).
+        own, the training state a donor sends and DiLoCo's seeds, which would hold the heartbeats back.
         """
-        self.addresses, self._stubs = list(addresses), list(stubs)
-        self._upload_stubs = list(upload_stubs) if upload_stubs is not None else list(stubs)
+        self.addresses, self._stubs, self._upload_stubs = list(addresses), list(stubs), list(upload_stubs)
         self.incarnations = [self.incarnations[0]] * len(addresses)
         self.joined = [False] * len(addresses)
         self._watches = [None] * len(addresses)
