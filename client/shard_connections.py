@@ -17,15 +17,15 @@ answers in 1-1.6 s where the warm connections answered in 0.15-0.3 s). So a
 connection has room for twice the bytes it has delivered so far (one push at
 least), growing as TCP's window does.
 
-The pushes leave the first connection (the shard's own channel: its Join,
-Leave and Watch) to itself, so it always opens one more. TCP sends in order,
-so anything written on a connection waits behind the megabytes of pushes
-queued on it: across a 4-8 Mbit/s link, seconds. The Watch's heartbeats
-(gradq.client.membership) say this process lives; behind pushes they were
-late by more than the aggregator's --keepalive-timeout and a healthy host was
-lost. On a connection of their own they wait behind no push. The extra
-connections stay open until the client closes: the aggregator pings each
-every second (gradq.server.app's keepalive), so a round after minutes of
+The pushes leave the shard's own channel (its Join, Leave and Watch) to
+itself: they go on connections of their own, the first opened at the first
+push. TCP sends in order, so anything written on a connection waits behind
+the megabytes of pushes queued on it: across a 4-8 Mbit/s link, seconds. The
+Watch's heartbeats (gradq.client.membership) say this process lives; behind
+pushes they were late by more than the aggregator's --keepalive-timeout and a
+healthy host was lost. On a connection of their own they wait behind no push.
+The push connections stay open until the client closes: the aggregator pings
+each every second (gradq.server.app's keepalive), so a round after minutes of
 compute finds them connected, their flow-control windows grown.
 """
 
@@ -46,38 +46,37 @@ class _Transport(Protocol):
 
 
 class ShardConnections:
-    """A ``PushTransport`` over one or more connections to a shard.
+    """A ``PushTransport`` over one or more connections to a shard, none of them the shard's own channel.
 
     Args:
-        first: the transport over the shard's own channel (the one its Join and Watch use).
         open_connection: opens connection ``index`` (1, 2, ...): its transport and what closes its channel.
-        wanted: how many connections the shard's pushes need now (``ShardWindow.connections``,
-            at least 1), opened besides ``first``.
+            Index 0 is the shard's own channel (its Join, Watch and Leave), which carries no push.
+        wanted: how many connections the shard's pushes need now (``ShardWindow.connections``, at least 1).
     """
 
     def __init__(
         self,
-        first: _Transport,
         open_connection: Callable[[int], tuple[_Transport, Callable[[], None]]],
         wanted: Callable[[], int],
     ) -> None:
         self._open_connection = open_connection
         self._wanted = wanted
         self._lock = threading.Lock()
-        self._transports: list[_Transport] = [first]
+        self._transports: list[_Transport] = []  # connection i + 1 at index i
         self._closers: list[Callable[[], None]] = []
-        self._in_flight: list[int] = [0]  # request bytes not yet answered, per connection
-        self._delivered: list[int] = [0]  # request bytes answered, per connection
+        self._in_flight: list[int] = []  # request bytes not yet answered, per connection
+        self._delivered: list[int] = []  # request bytes answered, per connection
         self._closed = False
 
     @property
-    def first(self) -> _Transport:
-        """The transport over the shard's own channel (no push travels on it)."""
-        return self._transports[0]
+    def transports(self) -> list[_Transport]:
+        """The transports of the connections opened so far, in the order they opened."""
+        with self._lock:
+            return list(self._transports)
 
     @property
     def opened(self) -> int:
-        """Connections opened so far (the first included)."""
+        """Connections opened for pushes so far."""
         return len(self._transports)
 
     def in_flight(self) -> list[int]:
@@ -94,16 +93,15 @@ class ShardConnections:
         with self._lock:
             if self._closed:
                 raise ValueError("the shard's connections are closed")
-            # That many besides the first, which keeps its Join and Watch (and the heartbeats) to itself.
-            needed = max(1, self._wanted()) + 1
+            needed = max(1, self._wanted())
             while len(self._transports) < needed:
-                transport, closer = self._open_connection(len(self._transports))
+                transport, closer = self._open_connection(len(self._transports) + 1)
                 self._transports.append(transport)
                 self._closers.append(closer)
                 self._in_flight.append(0)
                 self._delivered.append(0)
             size = len(request)
-            usable = range(1, needed)
+            usable = range(needed)
             roomy = [i for i in usable if not self._in_flight[i] or self._in_flight[i] + size <= 2 * self._delivered[i]]
             index = min(roomy or usable, key=self._in_flight.__getitem__)
             self._in_flight[index] += size
@@ -122,7 +120,7 @@ class ShardConnections:
             self._delivered[index] += nbytes if delivered else 0
 
     def close(self) -> None:
-        """Close every connection's transport, then the extra channels."""
+        """Close every connection's transport, then its channel."""
         with self._lock:
             self._closed = True
             transports, closers = list(self._transports), list(self._closers)

@@ -209,11 +209,9 @@ class WorkerClient:
         window: ShardWindow[PendingPush] = ShardWindow(len(self.addresses), max_in_flight, self.window_settings)
         transports = [
             ShardConnections(
-                self._transport(channel),
-                functools.partial(self._open_connection, address),
-                functools.partial(window.connections, shard),
+                functools.partial(self._open_connection, address), functools.partial(window.connections, shard)
             )
-            for shard, (address, channel) in enumerate(zip(self.addresses, self._channels, strict=True))
+            for shard, address in enumerate(self.addresses)
         ]
         self._sender = ShardSender(
             self.addresses,

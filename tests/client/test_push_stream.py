@@ -44,8 +44,8 @@ def test_a_streamed_rank_and_a_unary_rank_get_the_same_means_every_step(aggregat
             streamed, unary = ([future.result(timeout=30) for future in per_rank] for per_rank in futures)
             for a, b in zip(streamed, unary, strict=True):
                 np.testing.assert_array_equal(a, b)
-    assert isinstance(clients[0]._sender.transports[0].first, PushStream)  # type: ignore[attr-defined]
-    assert isinstance(clients[1]._sender.transports[0].first, UnaryPushes)  # type: ignore[attr-defined]
+    assert all(isinstance(t, PushStream) for t in clients[0]._sender.transports[0].transports)  # type: ignore[attr-defined]
+    assert all(isinstance(t, UnaryPushes) for t in clients[1]._sender.transports[0].transports)  # type: ignore[attr-defined]
     assert aggregator.table.counters["contributions"] == 2 * 2 * 5
     for client in clients:
         client.close()

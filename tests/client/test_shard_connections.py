@@ -105,12 +105,12 @@ def test_pushes_in_flight_grow_to_the_path_over_several_connections_and_shrink_b
     assert window.window_bytes(0) == CAP
     transport = clients[0]._sender.transports[0]
     assert isinstance(transport, ShardConnections)
-    # One connection per send buffer of the window, besides the first (its Join and Watch).
-    assert transport.opened == CAP // CONNECTION_BYTES + 1
+    # One connection per send buffer of the window, none of them the shard's own channel (its Join and Watch).
+    assert transport.opened == CAP // CONNECTION_BYTES
     # The path shortens (a LAN): the window falls back to its count, the connections stay open for later.
     InjectedPath.rtt = 1e-6
     assert step(clients, 2)[0] == 2
-    assert window.connections(0) == 1 and transport.opened == CAP // CONNECTION_BYTES + 1
+    assert window.connections(0) == 1 and transport.opened == CAP // CONNECTION_BYTES
 
 
 def test_a_resend_on_another_connection_is_counted_once(server: AggregatorServer, clients: list[WorkerClient]) -> None:
@@ -125,7 +125,7 @@ def test_a_resend_on_another_connection_is_counted_once(server: AggregatorServer
         "paths", 2, 0, 0, encode(values(0, 2, 0), EXACT), incarnation=run, sequence=10**6 + 1
     )
     sent = transport.send(mine, 10**6)
-    again = transport.send(resend, 10**6 + 1)  # the first connection holds the first: the least loaded is another
+    again = transport.send(resend, 10**6 + 1)  # one connection holds the first copy: the least loaded is another
     assert sum(1 for loaded in transport.in_flight() if loaded) == 2, "both copies went on one connection"
     counted = server.table.counters["contributions"]
     other = clients[1].push_pull_async(2, 0, values(1, 2, 0))
@@ -177,8 +177,7 @@ class FakeTransport:
         self.closed = True
 
 
-def test_new_connections_take_twice_what_they_delivered_and_leave_the_first_to_its_watch() -> None:
-    first = FakeTransport()
+def test_new_connections_take_twice_what_they_delivered_and_leave_the_shards_channel_to_its_watch() -> None:
     opened: list[FakeTransport] = []
     closed: list[int] = []
 
@@ -187,10 +186,10 @@ def test_new_connections_take_twice_what_they_delivered_and_leave_the_first_to_i
         return opened[-1], lambda: closed.append(index)
 
     wanted = [1]
-    connections = ShardConnections(first, open_connection, lambda: wanted[0])
+    connections = ShardConnections(open_connection, lambda: wanted[0])
     push = b"x" * 1000
-    warm = [connections.send(push, sequence) for sequence in range(4)]  # one connection besides the first: all on it
-    assert connections.opened == 2 and len(opened[0].sent) == 4
+    warm = [connections.send(push, sequence) for sequence in range(4)]  # one connection: all on it
+    assert connections.opened == 1 and len(opened[0].sent) == 4
     for reply in warm:
         reply.settle()  # it delivered 4000 bytes
     wanted[0] = 2
@@ -203,9 +202,10 @@ def test_new_connections_take_twice_what_they_delivered_and_leave_the_first_to_i
         connections.send(push, sequence)
     # Two went to the new connection (the less loaded, with room), the third to the other with room.
     assert [len(extra.sent) for extra in opened] == [7, 3]
-    assert connections.in_flight() == [0, 3000, 2000]
-    assert not first.sent  # no push ever shares the Join's and the Watch's connection
+    assert connections.in_flight() == [3000, 2000]
+    # Connection 0 is the shard's own channel (its Join and Watch): no push is ever sent on it.
+    assert closed == [] and connections.transports == opened
     connections.close()
-    assert first.closed and all(extra.closed for extra in opened) and closed == [1, 2]
+    assert all(extra.closed for extra in opened) and closed == [1, 2]
     with pytest.raises(ValueError, match="closed"):
         connections.send(push, 99)
