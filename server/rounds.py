@@ -33,6 +33,7 @@ from gradq.server.job_spec import JobSpec
 from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
 from gradq.server.late_hosts import LateHosts
 from gradq.server.limits import ServiceLimits
+from gradq.server.model_vote import ModelVote
 from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
@@ -109,12 +110,15 @@ class RoundTable:
         # Told (under a round's lock: it must not block) when a DiLoCo job's global state on the aggregator is
         # whole before an outer round: the joiners waiting then receive it (OuterJoiners, gradq.server.outer_service).
         self.outer_boundary: Callable[[Job, int], None] = lambda job, step: None
-        # Told (outside every lock) with a job id whenever its start quorum's model vote may have changed: the
-        # Joins waiting for the decision look again (the servicer's).
-        self.model_vote_changed: Callable[[str], None] = lambda job_id: None
+        # An elastic job's start-quorum model vote: its refusals' effect on rounds, and the Joins waiting for it.
+        self.vote = ModelVote(self.jobs, self._closer, self.budget, clock, self._go_on_without_refused)
 
     def _outer_boundary(self, job: Job, step: int) -> None:
         self.outer_boundary(job, step)
+
+    def _go_on_without_refused(self, job: Job, reason: str) -> None:
+        self.membership_changed(job, "model_refused")
+        self.finish_rounds_complete(job, reason)
 
     def _members_waited_less(self, job: Job, reason: str) -> None:
         """Members of ``job`` became pending (late, behind): announce it; finish the rounds complete without them."""
@@ -152,8 +156,7 @@ class RoundTable:
             joined = self.jobs.join(spec, self._clock(), peer)
         except FailedPreconditionError as error:
             if forming and error.refusal is Refusal.MODEL_MISMATCH:  # a starting host refused may let it form
-                self._formed_without_refused(spec.job_id)
-                self.model_vote_changed(spec.job_id)
+                self.vote.refused_joining(spec.job_id)
             raise
         job, member, refused = joined.job, joined.rank, joined.refused
         self._retire(joined.retired)
@@ -176,67 +179,11 @@ class RoundTable:
                 "formed" if formed else "forms once enough hosts join",
                 answer.joined,
             )
-            self._fail_refused(job, refused)
-            self._formed_without_refused(job.job_id)
+            self.vote.refused_members(job, refused)
         if members.elastic:
-            self.model_vote_changed(job.job_id)
+            self.vote.changed(job.job_id)
             self.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
-
-    def model_decided(self, job_id: str, member: int, incarnation: str) -> bool:
-        """Whether ``member``'s Join may be answered: the job's model is decided (or nobody disagrees now).
-
-        Raises:
-            FailedPreconditionError: MODEL_MISMATCH: the start quorum agreed on another model; or the
-                member's run is gone.
-        """
-        with self.jobs.lock:
-            job = self.jobs.member(job_id, member, incarnation, self._clock(), pending_ok=True)
-            return not job.members.model_undecided(member)
-
-    def give_up_join(self, job_id: str, member: int, incarnation: str) -> None:
-        """A Join waiting for the model decision ended unanswered: the member is no candidate any more."""
-        with self.jobs.lock:
-            job = self.jobs.find(job_id, incarnation)
-            if job is not None:
-                job.members.forget_candidate(member)
-        self.model_vote_changed(job_id)  # the others' disagreement with it is gone
-
-    def _formed_without_refused(self, job_id: str) -> None:
-        """Starting hosts were refused for their model: if the job formed without them, its rounds go on.
-
-        A refused starter is a lost host (``Membership.refuse_starter``): rounds that waited for the hosts
-        the job starts with now wait for the members training, and those that have them all finish now.
-        """
-        with self.jobs.lock:
-            job = self.jobs.current(job_id)
-            formed = job is not None and job.members.elastic and job.members.formed
-        if job is None or not formed:
-            return
-        self.membership_changed(job, "model_refused")
-        self.finish_rounds_complete(job, "starting hosts were refused for their model")
-
-    def _fail_refused(self, job: Job, refused: list[int]) -> None:
-        """The start quorum refused ``refused``'s model: fail the rounds in flight that hold their pushes.
-
-        Only members that joined before any disagreement can have pushed (a Join that meets one waits for
-        the decision), so the rounds failed here wait on nobody whose model is the job's.
-        """
-        with self.jobs.lock:
-            rounds = [rnd for rnd in job.open if rnd.contributors & set(refused)]
-            reason = job.members.refused[refused[0]]
-        for rnd in rounds:
-            with rnd.lock:
-                if not rnd.done.is_set():
-                    error = FailedPreconditionError(
-                        f"{rnd.describe(job.job_id)} failed: {reason}", Refusal.MODEL_MISMATCH
-                    )
-                    self._closer.fail(job, rnd, error, "model_refused")
-                self.budget.adjust(rnd.charged, 0, job.memory)  # forgotten: the job's hosts push it afresh
-                rnd.charged = 0
-            with self.jobs.lock:
-                if job.rounds.get((rnd.step, rnd.bucket)) is rnd:
-                    del job.rounds[(rnd.step, rnd.bucket)]
 
     def now(self) -> float:
         """The table's clock (monotonic seconds; injected in tests)."""
@@ -251,7 +198,7 @@ class RoundTable:
         job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
         self._retire(retired)
         if job is not None:
-            self.model_vote_changed(job_id)  # a candidate that left disagrees with nobody now
+            self.vote.changed(job_id)  # a candidate that left disagrees with nobody now
         if job is not None and retired and job.members.elastic:
             self.membership_changed(job, "rank_left")  # the last leave counts too: the job has no member now
         if job is not None and retired and self._job_finished is not None:
@@ -262,7 +209,7 @@ class RoundTable:
 
     def member_gone(self, job: Job, rank: int, reason: str, code: str) -> None:
         """A member left or was lost: a formed elastic job goes on without it, any other closes what waits on it."""
-        self.model_vote_changed(job.job_id)
+        self.vote.changed(job.job_id)
         with self.jobs.lock:
             goes_on = job.members.goes_on_without_the_gone
         if goes_on:
@@ -299,7 +246,7 @@ class RoundTable:
     def _retire(self, retired: list[Retired]) -> None:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
         for gone in retired:
-            self.model_vote_changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
+            self.vote.changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
             with self.jobs.lock:
                 rounds = list(gone.job.rounds.values())
                 gone.job.rounds.clear()

@@ -114,10 +114,10 @@ class AggregatorServicer:
         # The Watch streams' heartbeats, checked together on the loop (a late one is found within this period).
         self._heartbeats = Heartbeats(_HEARTBEAT_CHECK_S, time.monotonic)
         # Joins waiting for their job's start quorum to decide its model, by job id: woken when its vote may have
-        # changed (the table's ``model_vote_changed``). Touched on the loop only; the loop is known from the first.
+        # changed (the table's ``vote.changed``). Touched on the loop only; the loop is known from the first.
         self._model_waits: dict[str, set[asyncio.Event]] = {}
         self._model_loop: asyncio.AbstractEventLoop | None = None
-        table.model_vote_changed = self._model_vote_changed
+        table.vote.changed = self._model_vote_changed
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
 
@@ -154,7 +154,7 @@ class AggregatorServicer:
         try:
             while True:
                 changed.clear()  # before looking: a change from now on wakes the wait below
-                if await _call(context, self.table.model_decided, spec.job_id, answer.rank, answer.incarnation):
+                if await _call(context, self.table.vote.decided, spec.job_id, answer.rank, answer.incarnation):
                     return
                 left = give_up - loop.time()
                 if left <= 0:
@@ -167,7 +167,7 @@ class AggregatorServicer:
                 with contextlib.suppress(asyncio.TimeoutError):  # (not the builtin before Python 3.11)
                     await asyncio.wait_for(changed.wait(), left)
         except (RoundError, asyncio.CancelledError) as error:
-            self.table.give_up_join(spec.job_id, answer.rank, answer.incarnation)
+            self.table.vote.give_up(spec.job_id, answer.rank, answer.incarnation)
             if isinstance(error, RoundError):
                 await _abort(context, error)
             raise

@@ -22,11 +22,11 @@ ODD = "0.fc.weight float32[32, 32]"
 def test_the_table_says_when_a_jobs_vote_may_have_changed() -> None:
     table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: 0.0)
     told: list[str] = []
-    table.model_vote_changed = told.append
+    table.vote.changed = told.append
     odd = table.join(JobSpec("vote", ANY_RANK, 2, "run", elastic=True, model_signature=ODD))
     right = table.join(JobSpec("vote", ANY_RANK, 2, "run", elastic=True, model_signature=RIGHT))
     assert right.model_undecided and told == ["vote", "vote"]  # each Join of an elastic job
-    table.give_up_join("vote", right.rank, "run")
+    table.vote.give_up("vote", right.rank, "run")
     assert told[-1] == "vote" and len(told) == 3  # a waiting Join given up
     table.leave("vote", odd.rank, "run")
     assert len(told) >= 4  # a Leave (and the run it retired)

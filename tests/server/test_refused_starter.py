@@ -48,7 +48,7 @@ def test_the_odd_starter_joining_first_is_refused_and_the_other_two_form_the_job
     first = table.join(starter(RIGHT))
     assert first.model_undecided  # its Join waits for the start quorum
     second = table.join(starter(RIGHT))  # two of three agree: the odd host is refused, the job forms without it
-    assert table.model_decided("vote", first.rank, "run")
+    assert table.vote.decided("vote", first.rank, "run")
     assert "refused members [0], each a lost host; the job formed (2 joined)" in caplog.text
     with pytest.raises(FailedPreconditionError, match="goes on without it") as refused:
         wait(table, odd_ticket)
