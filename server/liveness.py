@@ -34,12 +34,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError
+from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
 from gradq.server.jobs import Job
 from gradq.server.limits import ServiceLimits
 from gradq.server.rounds import RoundTable
 
-__all__ = ["HEARTBEAT_MS", "LOST_REASON", "Heartbeat", "Heartbeats", "Liveness", "MemberWatch"]
+__all__ = ["HEARTBEAT_MS", "HEARTBEAT_RATE_FACTOR", "LOST_REASON", "Heartbeat", "Heartbeats", "Liveness", "MemberWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ LOST_REASON = "its Watch stream ended without a Leave: its process exited or its
 # The heartbeat periods a client may promise, in milliseconds: more often than every 50 ms is a flood, and a
 # promise of more than 10 s watches nothing the connection's own keepalive would not.
 HEARTBEAT_MS = (50, 10_000)
+# A Watch may send its heartbeats up to this many times as often as it promised, on average. Each costs the
+# loop the reading of a message (bench/watch_cost.py), so a client that sends them as fast as it can is a flood
+# and its Watch is closed.
+HEARTBEAT_RATE_FACTOR = 4
 
 
 @dataclass(eq=False, slots=True)
@@ -137,26 +141,65 @@ class Liveness:
 
 
 class Heartbeat:
-    """When a Watch's client was last heard from, and whether it is late; touched on the event loop only.
+    """When a Watch's client was last heard from, and whether it is late or flooding; touched on the loop only.
 
     Args:
+        period_s: the heartbeat period the client promised.
         limit_s: how long the client may stay silent (``Liveness.silence_limit``).
-        wake: set when it turns late (the Watch then ends, losing its rank).
+        wake: set when it turns late or flooding (the Watch then ends, losing its rank).
         clock: a monotonic clock (``time.monotonic``), or a test's.
     """
 
-    def __init__(self, limit_s: float, wake: asyncio.Event, clock: Callable[[], float]) -> None:
+    def __init__(self, period_s: float, limit_s: float, wake: asyncio.Event, clock: Callable[[], float]) -> None:
         self.limit_s, self._wake, self._clock = limit_s, wake, clock
-        self.heard_at = clock()
+        self.opened_at = self.heard_at = clock()
         self.late = False
+        self.flooding = False
+        # A token bucket: heartbeats refill it at HEARTBEAT_RATE_FACTOR times the promised rate. It holds what a
+        # stall up to the silence limit can queue, twice over: a healthy client's backlog arrives in one burst.
+        self._rate = HEARTBEAT_RATE_FACTOR / period_s
+        self.burst = max(2 * limit_s / period_s, 2 * HEARTBEAT_RATE_FACTOR)
+        self._allowance = self.burst
+        self.heard = 0
 
     async def listen(self, requests: AsyncIterator[Any]) -> None:
-        """Note every message on the stream (its content is dropped unread) until the client half-closes it."""
+        """Note every message on the stream (its content dropped unread) until the client half-closes it, or
+        until it sends faster than its promise allows (``flooding``: the rest is not read)."""
         # A call that ends under it (cancelled, aborted) ends this too: the Watch's own end says why.
         with contextlib.suppress(Exception):
             async for request in requests:
                 request.take()
-                self.heard_at = self._clock()
+                now = self._clock()
+                self._allowance = min(self.burst, self._allowance + (now - self.heard_at) * self._rate) - 1
+                self.heard_at, self.heard = now, self.heard + 1
+                if self._allowance < 0:
+                    self.flooding = True
+                    self._wake.set()
+                    return
+
+    @property
+    def broken_off(self) -> bool:
+        """Whether the Watch must end: the client is late or flooding."""
+        return self.late or self.flooding
+
+    def broken(self, heartbeat_ms: int, late_after_s: float) -> RoundError | None:
+        """Why the Watch ends now, naming the promise the client broke (None: it keeps it).
+
+        ``heartbeat_ms`` is the client's promise, ``late_after_s`` --keepalive-timeout.
+        """
+        if self.late:
+            return UnavailableError(
+                f"it promised a heartbeat every {heartbeat_ms} ms on its Watch stream and sent none for "
+                f"{self.silent_for():.1f} s (--keepalive-timeout={late_after_s:g}): its process is stopped or its "
+                "host unreachable"
+            )
+        if self.flooding:
+            return ResourceExhaustedError(
+                f"it sent {self.heard} heartbeats on its Watch stream in {self.heard_at - self.opened_at:.1f} s, "
+                f"more than {HEARTBEAT_RATE_FACTOR} times as often as the one every {heartbeat_ms} ms it promised "
+                "(WatchRequest.heartbeat_ms): a flood"
+            )
+        return None
 
     def silent_for(self) -> float:
         """Seconds since the client was last heard."""
@@ -182,9 +225,10 @@ class Heartbeats:
         self._beating: set[Heartbeat] = set()
         self._checking: asyncio.Task[None] | None = None
 
-    def add(self, limit_s: float, wake: asyncio.Event) -> Heartbeat:
-        """Watch a new stream's heartbeat (on the loop), checking from now on; ``wake`` is set when it turns late."""
-        heartbeat = Heartbeat(limit_s, wake, self._clock)
+    def add(self, period_s: float, limit_s: float, wake: asyncio.Event) -> Heartbeat:
+        """Watch a new stream's heartbeat (on the loop), checking from now on; ``wake`` is set when it turns late
+        (or floods)."""
+        heartbeat = Heartbeat(period_s, limit_s, wake, self._clock)
         self._beating.add(heartbeat)
         if self._checking is None or self._checking.done():
             self._checking = asyncio.get_running_loop().create_task(self._check_while_beating())

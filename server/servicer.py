@@ -214,7 +214,8 @@ class AggregatorServicer:
         self, requests: AsyncIterator[RawRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """Stay open while the rank lives: a parked coroutine, no thread; its end without a Leave loses the rank,
-        and so does a promised heartbeat late by more than --keepalive-timeout (gradq.server.liveness)."""
+        and so does a promised heartbeat late by more than --keepalive-timeout, or sent far more often than
+        promised (gradq.server.liveness)."""
         heard = requests.__aiter__()
         try:
             raw = await heard.__anext__()
@@ -226,26 +227,25 @@ class AggregatorServicer:
         watch = await _call(context, self.liveness.open, request.job_id, request.rank, request.incarnation)
         loop = self._loop = asyncio.get_running_loop()
         changed = asyncio.Event()
-        heartbeat = self._heartbeats.add(silence_s, changed) if silence_s is not None else None
+        heartbeat = (
+            self._heartbeats.add(request.heartbeat_ms / 1000, silence_s, changed) if silence_s is not None else None
+        )
         # Ended with the call; a client that half-closes has stopped its heartbeats and falls silent.
         listening = loop.create_task(heartbeat.listen(heard)) if heartbeat is not None else None
         self._watchers.setdefault(watch.job, set()).add(changed)
         reason = LOST_REASON
         try:
             yield self._watch_event(watch.job)
-            # Until the server stops, gRPC cancels the call (the client went) or the heartbeat is late; an
-            # elastic job's membership changes meanwhile are sent on, coalesced to the latest.
+            # Until the server stops, gRPC cancels the call (the client went) or the client breaks its heartbeat
+            # promise (late, or flooding); an elastic job's membership changes meanwhile are sent on, coalesced.
             while not self._stopping.is_set():
-                if heartbeat is not None and heartbeat.late:
-                    reason = (
-                        f"it promised a heartbeat every {request.heartbeat_ms} ms on its Watch stream and sent none "
-                        f"for {heartbeat.silent_for():.1f} s (--keepalive-timeout={self.liveness.late_after_s:g}): "
-                        "its process is stopped or its host unreachable"
-                    )
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, bounded_details(f"rank {request.rank}: {reason}"))
+                broken = heartbeat.broken(request.heartbeat_ms, self.liveness.late_after_s) if heartbeat else None
+                if broken is not None:
+                    reason = str(broken)
+                    await _abort(context, type(broken)(f"rank {request.rank}: {reason}"))
                 await changed.wait()
                 changed.clear()
-                if not self._stopping.is_set() and not (heartbeat is not None and heartbeat.late):
+                if not self._stopping.is_set() and not (heartbeat is not None and heartbeat.broken_off):
                     yield self._watch_event(watch.job)
         finally:
             if heartbeat is not None:

@@ -8,6 +8,7 @@ partition would. The other member is a real WorkerClient, heartbeats and all.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -23,7 +24,7 @@ from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
 from gradq.qcore import QuantConfig
 from gradq.server.app import AggregatorServer
 from gradq.server.limits import ServiceLimits
-from gradq.server.liveness import HEARTBEAT_MS, Heartbeats, Liveness
+from gradq.server.liveness import HEARTBEAT_MS, HEARTBEAT_RATE_FACTOR, Heartbeats, Liveness
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
 
@@ -128,7 +129,7 @@ def test_a_heartbeat_turns_late_only_past_its_limit_and_each_message_resets_it()
     async def scenario() -> list[tuple[bool, bool]]:
         heartbeats = Heartbeats(3600.0, clock)  # the test checks by hand: the periodic check never runs
         wake = asyncio.Event()
-        beat = heartbeats.add(2.0, wake)
+        beat = heartbeats.add(1.0, 2.0, wake)
         seen = []
         clock.now += 2.0  # at the limit: not late
         heartbeats.check()
@@ -157,3 +158,65 @@ def test_the_silence_allowed_is_the_promised_period_and_the_timeout() -> None:
     assert liveness.silence_limit(0) is None
     assert liveness.silence_limit(1000) == pytest.approx(2.5)
     assert liveness.silence_limit(HEARTBEAT_MS[0]) == pytest.approx(1.55)
+
+
+def test_heartbeats_up_to_four_times_the_promised_rate_and_a_stalls_backlog_pass_but_a_flood_is_cut() -> None:
+    clock = Clock()
+
+    async def messages(times: list[float]) -> AsyncIterator[Message]:
+        for at in times:
+            clock.now = at
+            yield Message()
+
+    async def heard(times: list[float], period_s: float = 1.0, limit_s: float = 2.5) -> tuple[int, bool, str]:
+        heartbeats = Heartbeats(3600.0, clock)
+        beat = heartbeats.add(period_s, limit_s, asyncio.Event())
+        await beat.listen(messages(times))
+        heartbeats.stop()
+        broken = beat.broken(int(period_s * 1000), limit_s - period_s)
+        return beat.heard, beat.flooding, str(broken or "")
+
+    start = clock.now
+    # An hour at four times the promised rate: never a flood.
+    steady = [start + i / HEARTBEAT_RATE_FACTOR for i in range(1, 4 * 3600)]
+    assert asyncio.run(heard(steady)) == (len(steady), False, "")
+    # A stall up to the silence limit queues heartbeats that arrive in one burst: they pass.
+    clock.now = start
+    assert asyncio.run(heard([start + 2.5] * 5))[1] is False
+    # At the smallest promise (50 ms) with a long --keepalive-timeout (10 s), the backlog is 200: it passes too.
+    clock.now = start
+    assert asyncio.run(heard([start + 10.0] * 200, period_s=0.05, limit_s=10.05))[1] is False
+    # As fast as a client can send: cut once the burst is spent, and the message names the promise it broke.
+    clock.now = start
+    count, flooding, why = asyncio.run(heard([start + i * 1e-4 for i in range(1000)]))
+    assert flooding and count < 20, count
+    assert f"more than {HEARTBEAT_RATE_FACTOR} times as often as the one every 1000 ms it promised" in why
+    assert "WatchRequest.heartbeat_ms" in why and "a flood" in why
+
+
+def test_a_member_flooding_its_watch_with_heartbeats_is_cut_by_name_and_the_others_hear_why(
+    start_aggregator: StartAggregator, stub_for: StubFor
+) -> None:
+    server = start_aggregator(RoundPolicy(round_timeout_s=30.0))
+    stub = stub_for(server)
+    stub.Join(client_serde.join_request("flood", 1, 2), timeout=5)
+    flood = Beats(client_serde.watch_request("flood", 1, heartbeat_ms=1000), 0.0)  # no pause between beats
+    watch = stub.Watch(iter(flood))
+    worker = WorkerClient(f"127.0.0.1:{server.port}", "flood", 0, 2, QuantConfig(bits=8))
+    try:
+        next(watch)
+        worker.join()
+        wait_until(watch.done, "the flooding member's Watch ended", 30)
+        assert watch.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, watch.details()
+        assert "rank 1: it sent" in (watch.details() or "") and "a flood" in (watch.details() or "")
+        # It was cut once its burst was spent: after a handful of messages, not the thousands it would send.
+        sent = re.search(r"it sent (\d+) heartbeats", watch.details() or "")
+        assert sent is not None and int(sent.group(1)) <= 4 * HEARTBEAT_RATE_FACTOR, watch.details()
+        # The member that keeps its promise is told why the other is gone, as for any lost rank.
+        with pytest.raises(AggregationError, match=r"rank 1 was lost \(it sent \d+ heartbeats .* a flood"):
+            worker.push_pull(0, 0, np.ones(8, np.float32))
+        wait_until(lambda: server.servicer.liveness.open_watches == 1, "only the worker's Watch is open", 30)
+    finally:
+        flood.release.set()
+        watch.cancel()
+        worker.close()
