@@ -1,6 +1,6 @@
 """Closing a round: average and re-encode it, or fail it; then wake its waiters, count it and forget old rounds.
 
-Every method is called with the round's lock held; it takes the job table's
+Every method but ``retire`` is called with the round's lock held; it takes the job table's
 lock after it (the table's lock order), the job's feedback lock (server error
 feedback) and the budget's, a leaf.
 """
@@ -12,15 +12,18 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from gradq.qcore import QuantizedArray, decode, encode
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
-from gradq.server.jobs import Job, JobTable
+from gradq.server.jobs import Job, JobTable, Retired
 from gradq.server.policy import RoundPolicy, feeds_back, return_config_for
 from gradq.server.reports import RoundObserver
 from gradq.server.round_report import relative_error, round_report
 from gradq.server.round_state import Round, RoundResult
+from gradq.server.step_window import GRID_ENTRY_BYTES
 
 __all__ = ["RoundCloser"]
 
@@ -157,6 +160,34 @@ class RoundCloser:
         log.warning("%s", error)
         self._release(job, rnd, "failed", reason)
 
+    def retire(self, retired: list[Retired]) -> None:
+        """Fail the rounds still waiting in forgotten runs and give back all they held: rounds, error-feedback
+        residuals, DiLoCo's global state, late pushes and grids. Called with no lock held."""
+        for gone in retired:
+            job = gone.job
+            with self._jobs.lock:
+                rounds = list(job.rounds.values())
+                job.rounds.clear()
+            for rnd in rounds:
+                with rnd.lock:
+                    if not rnd.done.is_set():
+                        error = RoundAbortedError(f"{rnd.describe(job.job_id)} failed: {gone.reason}", gone.refusal)
+                        self.fail(job, rnd, error, "retired")
+                    self._budget.adjust(rnd.charged, 0, job.memory)
+                    rnd.charged = 0
+            with job.feedback_lock:  # its rounds are all done: no mean changes its residuals any more
+                residuals = job.error_feedback
+                held = sum(_nbytes(residuals.residual(key)) for key in list(residuals.keys()))
+                residuals.reset()
+            if job.outer is not None:
+                held += job.outer.forget()
+            with self._jobs.lock:
+                held += sum(stash.nbytes for stash in job.late.values())
+                job.late.clear()
+                held += GRID_ENTRY_BYTES * len(job.grids)
+                job.grids.clear()
+            self._budget.adjust(held, 0, job.memory)
+
     def _release(self, job: Job, rnd: Round, outcome: str, reason: str) -> None:
         """Wake the waiters, count the outcome, forget old rounds, report. Caller holds ``rnd.lock``."""
         # Kept for retries and late pushes: the mean once, or what a failure's record holds.
@@ -198,3 +229,7 @@ def _residual_bytes(job: Job, bucket: int) -> int:
     """Bytes of the server error-feedback residual ``job`` holds for ``bucket`` (0 without one)."""
     residual = job.error_feedback.residual(bucket)
     return residual.nbytes if residual is not None else 0
+
+
+def _nbytes(array: np.ndarray | None) -> int:
+    return array.nbytes if array is not None else 0

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from gradq.qcore import QuantizedArray
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
@@ -38,7 +36,7 @@ from gradq.server.policy import PushedGrid, RoundPolicy, feeds_back
 from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import MAX_PUSH_WEIGHT, Round, RoundResult, Waker, contribution_weight
-from gradq.server.step_window import GRID_ENTRY_BYTES, check_grid, check_step, contribution_digest
+from gradq.server.step_window import check_grid, check_step, contribution_digest
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
@@ -247,33 +245,7 @@ class RoundTable:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
         for gone in retired:
             self.vote.changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
-            with self.jobs.lock:
-                rounds = list(gone.job.rounds.values())
-                gone.job.rounds.clear()
-            for rnd in rounds:
-                with rnd.lock:
-                    if not rnd.done.is_set():
-                        self._closer.fail(
-                            gone.job,
-                            rnd,
-                            RoundAbortedError(f"{rnd.describe(gone.job.job_id)} failed: {gone.reason}", gone.refusal),
-                            "retired",
-                        )
-                    self.budget.adjust(rnd.charged, 0, gone.job.memory)
-                    rnd.charged = 0
-            with gone.job.feedback_lock:  # its rounds are all done: no mean changes its residuals any more
-                residuals = gone.job.error_feedback
-                held = sum(_nbytes(residuals.residual(key)) for key in list(residuals.keys()))
-                residuals.reset()
-            if gone.job.outer is not None:
-                held += gone.job.outer.forget()
-            with self.jobs.lock:
-                held += sum(stash.nbytes for stash in gone.job.late.values())
-                gone.job.late.clear()
-            with self.jobs.lock:
-                held += GRID_ENTRY_BYTES * len(gone.job.grids)
-                gone.job.grids.clear()
-            self.budget.adjust(held, 0, gone.job.memory)
+        self._closer.retire(retired)
 
     # -- the round --------------------------------------------------------------------------
 
@@ -628,7 +600,3 @@ def _answer(job: Job, rnd: Round, rank: int) -> RoundResult:
             f"without rank {rank}; this contribution was not counted"
         )
     return rnd.result
-
-
-def _nbytes(array: np.ndarray | None) -> int:
-    return array.nbytes if array is not None else 0

@@ -8,12 +8,13 @@ must not get a stream on each. Another host's job is served meanwhile.
 from __future__ import annotations
 
 import queue
-import time
+import threading
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from gradq.client import WorkerClient
 from gradq.proto.transport import channel_options
@@ -52,16 +53,15 @@ class IdleStream:
 
     def refusal(self, timeout_s: float = 10.0) -> grpc.RpcError | None:
         """The error the call ended with, or None if it is still open after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.call.done():
-                try:
-                    next(self.call)
-                except grpc.RpcError as error:
-                    return error
-                raise AssertionError("the idle stream got an answer")
-            time.sleep(0.02)  # polling the call's state with a deadline
-        return None
+        ended = threading.Event()
+        self.call.add_done_callback(lambda _: ended.set())
+        if not ended.wait(timeout_s):
+            return None
+        try:
+            next(self.call)
+        except grpc.RpcError as error:
+            return error
+        raise AssertionError("the idle stream got an answer")
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -71,10 +71,12 @@ class IdleStream:
 
 
 def wait_for_streams(server: AggregatorServer, peer: str, count: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.servicer.waiting.streams(peer) != count:
-        assert time.monotonic() < deadline, f"{server.servicer.waiting.streams(peer)} streams of {peer}, not {count}"
-        time.sleep(0.02)
+    wait_until(
+        lambda: server.servicer.waiting.streams(peer) == count,
+        f"{count} streams of {peer}",
+        timeout_s,
+        detail=lambda: f"{server.servicer.waiting.streams(peer)} open",
+    )
 
 
 def test_streams_past_the_cap_are_refused_by_name_over_any_connection_and_another_host_is_served(

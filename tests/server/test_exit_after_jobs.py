@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,8 +41,13 @@ def train_and_leave(address: str, job_id: str, world_size: int) -> None:
 
 
 def still_serving(process: subprocess.Popen[str], address: str) -> bool:
-    time.sleep(0.5)  # a stop would have begun by now
-    return process.poll() is None and is_serving(address)
+    """Whether the aggregator neither exits within half a second (a stop would have ended it by then) nor stops
+    answering."""
+    try:
+        process.wait(timeout=0.5)
+    except subprocess.TimeoutExpired:
+        return is_serving(address)
+    return False
 
 
 def test_exits_0_once_every_rank_of_n_jobs_has_left(processes: list[subprocess.Popen[str]]) -> None:
