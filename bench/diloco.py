@@ -23,6 +23,8 @@ the same per-host batches:
 - ``diloco10-stream``: Streaming DiLoCo at H = 10 (gradq.client.diloco.fragments):
   the model in 2 fragments, each round in flight for 2 inner steps while the
   host trains on, the host keeping half its own parameters where an update lands;
+  ``diloco10-stream3`` (not run unless named) lands each round 3 inner steps
+  after it is sent, for links whose round trip 2 steps of compute do not cover;
 - ``compute-only`` (not run unless named): each host trains alone, nothing
   leaves it: the floor of ms per inner step (its loss is not the job's);
 - ``torchft-diloco10`` and ``torchft-diloco10-stream`` (with ``--torchft-python``,
@@ -84,6 +86,7 @@ METHODS = {
     "diloco10-hosts": "gradq DiLoCo H=10, 4-bit + EF, outer step on the hosts",
     "diloco50": "gradq DiLoCo H=50, 4-bit + EF",
     "diloco10-stream": "gradq Streaming DiLoCo H=10, 2 fragments, delay 2, alpha 0.5, 4-bit + EF",
+    "diloco10-stream3": "gradq Streaming DiLoCo H=10, 2 fragments, delay 3, alpha 0.5, 4-bit + EF",
     "compute-only": "compute only: each host alone, nothing sent",
     "torchft-diloco10": "torchft DiLoCo H=10, fp32 (peer all-reduce)",
     "torchft-diloco10-stream": "torchft Streaming DiLoCo H=10, 2 fragments, delay 2, alpha 0.5, fp32 (peer all-reduce)",
@@ -135,7 +138,8 @@ def rank_main(spec: RankSpec) -> None:
     # "diloco<H>" runs the outer step on the aggregator (the default), "diloco<H>-hosts" on the hosts.
     schedule, _, place = spec.method.removeprefix("diloco").partition("-")
     every = int(schedule) if spec.method.startswith("diloco") else 0
-    streaming = place == "stream"
+    streaming = place.startswith("stream")  # "stream" lands each fragment 2 inner steps after it is sent; "stream3", 3
+    delay = int(place.removeprefix("stream") or 2) if streaming else 0
     outer_step = "hosts" if place == "hosts" else "aggregator"
     alone = spec.method == "compute-only"
     if every or alone:  # each host a process group of its own: only outer rounds leave it
@@ -157,7 +161,7 @@ def rank_main(spec: RankSpec) -> None:
     fragments: dict[str, Any] = (
         {
             "fragments": 2,
-            "fragment_sync_delay": 2,
+            "fragment_sync_delay": delay,
             "fragment_update_alpha": 0.5,
             "bucket_elements": sum(p.numel() for p in model.parameters()) // 4 + 1,
         }
@@ -455,7 +459,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tasks", nargs="+", default=["transformer", "source-lm"], help="bench/convergence_tasks.py keys"
     )
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"], help="link rates (tc syntax)")
-    gradq_rows = [key for key in METHODS if not key.startswith("torchft") and key != "compute-only"]
+    gradq_rows = [
+        key for key in METHODS if not key.startswith("torchft") and key not in ("compute-only", "diloco10-stream3")
+    ]
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=gradq_rows, help="rows (ddp first)")
     parser.add_argument("--hosts", type=int, default=4, help="hosts, one rank each")
     netns.add_rtt_argument(parser)
