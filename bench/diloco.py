@@ -460,7 +460,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"], help="link rates (tc syntax)")
     gradq_rows = [
-        key for key in METHODS if not key.startswith("torchft") and key not in ("compute-only", "diloco10-stream3")
+        key
+        for key in METHODS
+        if not key.startswith("torchft") and key not in ("compute-only", "diloco10-hosts", "diloco10-stream3")
     ]
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=gradq_rows, help="rows (ddp first)")
     parser.add_argument("--hosts", type=int, default=4, help="hosts, one rank each")
