@@ -106,6 +106,20 @@ class JobSpec:
             raise InvalidArgumentError(
                 f"role={self.role.name} is only valid in an elastic Join; expected STARTING (0) for a fixed job"
             )
+        if not 1 <= self.world_size <= max_world_size:
+            raise InvalidArgumentError(
+                f"world_size={self.world_size} is invalid; expected 1..{max_world_size} (--max-world-size)"
+            )
+        if self.job_ranks and not self.world_size <= self.job_ranks <= max_world_size:
+            raise InvalidArgumentError(
+                f"job_ranks={self.job_ranks} is invalid; expected {self.world_size}..{max_world_size}: at least one "
+                f"rank per member (world_size={self.world_size}), at most --max-world-size"
+            )
+        # An elastic job's member ids outgrow its starting world_size as hosts are replaced.
+        if not self.elastic and self.rank >= self.world_size:
+            raise InvalidArgumentError(
+                f"rank={self.rank} is out of range; expected 0..{self.world_size - 1} for world_size={self.world_size}"
+            )
         if not 1 <= self.ranks <= max_world_size:
             raise InvalidArgumentError(
                 f"ranks={self.ranks} is invalid; expected 1..{max_world_size} (--max-world-size): "

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from gradq.qcore import QuantizedArray
 from gradq.server.budget import MemoryBudget
 from gradq.server.errors import FailedPreconditionError, Refusal
-from gradq.server.jobs import Job, JobTable
+from gradq.server.job import Job
+from gradq.server.jobs import JobTable
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import Round, contribution_weight
 from gradq.server.semi_sync import LateStash

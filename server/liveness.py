@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradq.server.errors import InvalidArgumentError, ResourceExhaustedError, RoundError, UnavailableError
-from gradq.server.jobs import Job
+from gradq.server.job import Job
 from gradq.server.limits import ServiceLimits
 from gradq.server.rounds import RoundTable
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from gradq.server.budget import MemoryBudget
 from gradq.server.errors import FailedPreconditionError, Refusal
-from gradq.server.jobs import Job, JobTable
+from gradq.server.job import Job
+from gradq.server.jobs import JobTable
 from gradq.server.round_closing import RoundCloser
 
 __all__ = ["ModelVote"]

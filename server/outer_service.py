@@ -19,7 +19,7 @@ import logging
 
 from gradq.proto.transport import MAX_STATE_CHUNK_BYTES
 from gradq.server.errors import FailedPreconditionError, RoundError
-from gradq.server.jobs import Job
+from gradq.server.job import Job
 from gradq.server.membership import ANY_RANK
 from gradq.server.outer_state import Seeded
 from gradq.server.rounds import RoundTable

@@ -18,7 +18,8 @@ from gradq.qcore import QuantizedArray, decode, encode
 from gradq.server.budget import MemoryBudget
 from gradq.server.buffers import AccumulatorPool
 from gradq.server.errors import InvalidArgumentError, RoundAbortedError, RoundError
-from gradq.server.jobs import Job, JobTable, Retired
+from gradq.server.job import Job
+from gradq.server.jobs import JobTable, Retired
 from gradq.server.policy import RoundPolicy, feeds_back, return_config_for
 from gradq.server.reports import RoundObserver
 from gradq.server.round_report import relative_error, round_report

@@ -27,8 +27,9 @@ from gradq.server.errors import (
     RoundAbortedError,
     UnavailableError,
 )
+from gradq.server.job import Job
 from gradq.server.job_spec import JobSpec
-from gradq.server.jobs import MAX_JOB_ID_LENGTH, Job, JobTable, Retired
+from gradq.server.jobs import MAX_JOB_ID_LENGTH, JobTable, Retired
 from gradq.server.late_hosts import LateHosts
 from gradq.server.limits import ServiceLimits
 from gradq.server.model_vote import ModelVote

@@ -33,8 +33,8 @@ from gradq.server.errors import (
     RoundError,
     UnavailableError,
 )
+from gradq.server.job import Job
 from gradq.server.job_spec import JobSpec
-from gradq.server.jobs import Job
 from gradq.server.liveness import LOST_REASON, Heartbeats, Liveness
 from gradq.server.membership import ANY_RANK
 from gradq.server.outer_service import OuterJoiners

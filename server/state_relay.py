@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from gradq.proto.transport import MAX_STATE_CHUNK_BYTES
 from gradq.server.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
-from gradq.server.jobs import Job
+from gradq.server.job import Job
 from gradq.server.rounds import RoundTable
 
 __all__ = ["MAX_STATE_CHUNK_BYTES", "RELAY_QUEUE_CHUNKS", "Relay", "StateHeader", "StateRelays"]

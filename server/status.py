@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from gradq.server.jobs import Job
+from gradq.server.job import Job
 from gradq.server.metrics import JobTotals, RoundMetrics
 from gradq.server.reports import RoundReport
 from gradq.server.rounds import RoundTable

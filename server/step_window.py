@@ -16,7 +16,7 @@ from gradq.qcore import QuantizedArray
 from gradq.qcore.codecs import codec_for
 from gradq.server.budget import MemoryBudget
 from gradq.server.errors import FailedPreconditionError
-from gradq.server.jobs import Job
+from gradq.server.job import Job
 
 __all__ = ["GRID_ENTRY_BYTES", "check_step", "check_grid", "contribution_digest", "describe_grid"]
 
