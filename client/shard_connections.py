@@ -12,8 +12,8 @@ A push takes the open connection with the fewest bytes in flight among those
 with room; a resend may take another: the aggregator counts a (step, round
 key, rank) once whatever connection brought it. A new connection starts in
 TCP's slow start (ten segments per round trip, doubling), so a megabyte put
-on it at once waits several round trips (measured across a 100 ms delay line:
-answers in 1-1.6 s where the warm connections answered in 0.15-0.3 s). So a
+on it at once waits several round trips (bench/wan_window.py --trace prints
+each answer's time across a delay line). So a
 connection has room for twice the bytes it has delivered so far (one push at
 least), growing as TCP's window does.
 

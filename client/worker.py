@@ -8,7 +8,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -27,15 +27,13 @@ from gradq.client.contact import check_resolvable, explain_no_answer
 from gradq.client.discovery import discover_shards
 from gradq.client.elastic import ANY_RANK
 from gradq.client.membership import ShardMembership
-from gradq.client.push_stream import PushStream
 from gradq.client.security import ChannelSecurity
-from gradq.client.sending import AggregationError, PendingPush, ShardSender, UnaryPushes
+from gradq.client.sending import AggregationError, PendingPush, ShardSender
+from gradq.client.shard_channels import ShardChannels
 from gradq.client.shard_connections import ShardConnections
 from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow, WindowSettings
-from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, MAX_PUSH_WEIGHT, channel_options, keep_large_buffers
-from gradq.proto.v1 import aggregator_pb2 as pb
-from gradq.proto.v1 import aggregator_pb2_grpc as pb_grpc
+from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, MAX_PUSH_WEIGHT, keep_large_buffers
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
 from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
 
@@ -49,14 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-# The connection index of a shard's state uploads: one ShardConnections never opens for pushes.
-_STATE_CONNECTION = 1 << 16
-
-# PushPull travels as bytes serde builds and parses itself (payload copied once each way).
-_PUSH_PULL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Aggregator'].full_name}/PushPull"
-_PUSH_PULL_STREAM_METHOD = f"{_PUSH_PULL_METHOD}Stream"
 
 
 class WorkerClient:
@@ -156,11 +146,10 @@ class WorkerClient:
         self._arrays: dict[str, ArrayCodec] = {}
         self._seed_rng(rank)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
-        self._max_message_bytes = max_message_bytes
-        self._channel_options = channel_options(max_message_bytes)
         self.window_settings = window or WindowSettings()
-        self.security = security or ChannelSecurity()
-        self._metadata = self.security.metadata()
+        self._channels = ShardChannels(security or ChannelSecurity(), max_message_bytes, timeout_s, push_stream)
+        self.security = self._channels.security
+        self._metadata = self._channels.metadata
         self._stats = StatsRecorder(log_every_s)
         # Who this member is on each shard (joins, watches, rejoins, state transfer); the aggregator checks
         # the spec every Join carries against the job's.
@@ -176,47 +165,29 @@ class WorkerClient:
             rank_changed=self._seed_rng,
         )
         self._pushes_since_sample = 0
-        self._sending = (timeout_s, max_retries, retry_backoff_s, max_in_flight)
-        self.push_stream = push_stream
+        self._sending = (max_retries, retry_backoff_s, max_in_flight)
         # One address may be one shard of a group: ``join`` asks it for the others first.
         self._discover = len(self.addresses) == 1
-        self._channels: list[grpc.Channel] = []
-        self._state_channels: list[grpc.Channel] = []  # per shard: the training state's and the seeds' uploads
         self._open_shards(self.addresses)
 
     def _open_shards(self, addresses: list[str]) -> None:
-        """Channels, stubs and the sender for ``addresses``, in shard order (a channel already open is kept)."""
-        opened = dict(zip(self.addresses, self._channels, strict=False))
-        for address, channel in opened.items():
-            if address not in addresses:
-                channel.close()
-        self.addresses = list(addresses)
-        self._channels = [
-            opened.get(address) or self.security.channel(address, self._channel_options) for address in addresses
-        ]
-        self._stubs = [pb_grpc.AggregatorStub(channel) for channel in self._channels]
-        for channel in self._state_channels:
-            channel.close()
-        # The training state and DiLoCo's seeds go up in megabytes: on the first connection they would hold
-        # back the Watch's heartbeats behind them (gradq.client.shard_connections). gRPC connects a channel
-        # at its first call, so a job that never sends either never opens these.
-        state_options = channel_options(self._max_message_bytes, connection=_STATE_CONNECTION)
-        self._state_channels = [self.security.channel(address, state_options) for address in addresses]
-        self.membership.attach(
-            self.addresses, self._stubs, [pb_grpc.AggregatorStub(channel) for channel in self._state_channels]
-        )
-        timeout_s, max_retries, retry_backoff_s, max_in_flight = self._sending
+        """Channels, stubs and the sender for ``addresses``, in shard order (a shard's channel already open is kept)."""
+        self._channels.open(addresses)
+        self.addresses = self._channels.addresses
+        self._stubs = self._channels.stubs
+        self.membership.attach(self.addresses, self._stubs, self._channels.upload_stubs)
+        max_retries, retry_backoff_s, max_in_flight = self._sending
         window: ShardWindow[PendingPush] = ShardWindow(len(self.addresses), max_in_flight, self.window_settings)
         transports = [
             ShardConnections(
-                functools.partial(self._open_connection, address), functools.partial(window.connections, shard)
+                functools.partial(self._channels.open_connection, address), functools.partial(window.connections, shard)
             )
             for shard, address in enumerate(self.addresses)
         ]
         self._sender = ShardSender(
             self.addresses,
             transports,
-            [UnaryPushes(c.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata) for c in self._channels],
+            self._channels.unary_pushes(),
             max_retries,
             retry_backoff_s,
             window,
@@ -224,21 +195,6 @@ class WorkerClient:
             self.membership.rejoin_shard,
             self.membership.counted_lost,
         )
-
-    def _transport(self, channel: grpc.Channel) -> PushStream | UnaryPushes:
-        """How pushes travel on ``channel``: one PushPullStream call, or a unary call each."""
-        timeout_s = self._sending[0]
-        if self.push_stream:
-            return PushStream(
-                functools.partial(channel.stream_stream(_PUSH_PULL_STREAM_METHOD), metadata=self._metadata), timeout_s
-            )
-        return UnaryPushes(channel.unary_unary(_PUSH_PULL_METHOD), timeout_s, self._metadata)
-
-    def _open_connection(self, address: str, index: int) -> tuple[PushStream | UnaryPushes, Callable[[], None]]:
-        """Connection ``index`` (1, 2, ...) to the shard at ``address``: its transport and what closes its channel."""
-        channel = self.security.channel(address, channel_options(self._max_message_bytes, connection=index))
-        log.debug("opened connection %d to aggregator %s", index, address)
-        return self._transport(channel), channel.close
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -264,7 +220,7 @@ class WorkerClient:
                 if group != self.addresses:
                     self._sender.close()  # replaced by the group's; nothing was pushed through it yet
                     self._open_shards(group)
-            # Load the compiled kernels (about 2 s from numba's cache on a cold process) beside the Join,
+            # Load the compiled kernels (seconds from numba's cache on a cold process) beside the Join,
             # not before it: an elastic joiner's wait for the state begins at the Join, and a push
             # that needs a kernel still loading waits in numba's compile lock, not in a race.
             threading.Thread(target=_load_kernels, args=(self.config,), name="gradq-kernels", daemon=True).start()
@@ -282,8 +238,7 @@ class WorkerClient:
             self._sender.fail(pending, grpc.StatusCode.CANCELLED, "the client closed before the push was sent")
         self.membership.leave()
         self._sender.close()
-        for channel in self._channels + self._state_channels:
-            channel.close()
+        self._channels.close()
 
     def __enter__(self) -> WorkerClient:
         self.join()
