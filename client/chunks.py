@@ -26,9 +26,9 @@ __all__ = [
 ]
 
 # Largest round a bucket is cut into, by default. Every round costs gRPC's
-# per-call CPU at both ends (about 0.6 ms over a client and the aggregator),
-# which sets the pace where the link is fast: on loopback, world 2, the 8-bit
-# step took 50 ms at 2^21 against 54-56 at 2^20 and 58-62 at 2^19.
+# per-call CPU at both ends (bench/push_overhead.py), which sets the pace
+# where the link is fast: on loopback the 8-bit step was fastest at 2^21
+# (bench/ddp_step.py, bench/results/ddp-step.md).
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
 
 # Where links, not CPU, set the pace (about 1 Gbit/s or slower), a round of
@@ -44,8 +44,8 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 21
 SLOW_LINK_CHUNK_BYTES = 1 << 19
 
 # Smallest chunk cut only to spread a bucket over the shards: below this a
-# round's fixed cost (about 1 ms of CPU over the ranks and the aggregator on
-# loopback) outweighs what balancing the links saves.
+# round's fixed cost (the CPU of a call at both ends, bench/push_overhead.py)
+# outweighs what balancing the links saves.
 MIN_SHARD_SPLIT = 1 << 16
 
 # A bucket's chunk i travels as round key bucket + i * CHUNK_KEY_STRIDE (chunk 0 keeps the bucket's own key).

@@ -49,8 +49,8 @@ class ServiceLimits:
         max_waiting_per_job: pushes (calls or on streams) of one job waiting for rounds at once.
         max_waiting_per_peer: pushes from one client host waiting at once.
         max_waiting_calls: pushes waiting at once in all. A waiting call
-            holds no thread, only its coroutine and gRPC's call state (about
-            25 KB with a small round of its own, measured), so this bounds memory.
+            holds no thread, only its coroutine and gRPC's call state
+            (bench/results/operating-measurements.md), so this bounds memory.
         max_streams_per_peer: PushPullStream calls open at once from one client
             host, over all its connections: a rank opens one per connection to
             a shard, up to 9 where the path is long (8 for its pushes besides
