@@ -42,7 +42,8 @@ class GradqConfig:
             agree on the outcome, so they never mix collectives and RPCs.
         job_id: shared by every rank; None lets rank 0 draw one per run.
         timeout_s: deadline of each RPC (keep it above the server's round timeout).
-        connect_timeout_s: how long the first join waits for the aggregator.
+        connect_timeout_s: how long the first join waits for the aggregator, and a push's
+            rejoin for a shard that went away (a restart).
         security: TLS, mutual TLS and/or bearer token for the aggregator channels.
         chunk_elements: tensors above this travel as several rounds (see WorkerClient).
         max_in_flight: pushes per shard on the wire at once however short the

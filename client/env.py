@@ -46,7 +46,8 @@ __all__ = [
     "read_variable",
 ]
 
-# How long the first Join waits for each aggregator shard (GradqConfig.connect_timeout_s, GRADQ_CONNECT_TIMEOUT).
+# How long the first Join waits for each aggregator shard, and a push's rejoin for a shard that went away
+# (GradqConfig.connect_timeout_s, GRADQ_CONNECT_TIMEOUT).
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 # GradqConfig.host_grouping: "auto" reduces inside hosts of several ranks first (see

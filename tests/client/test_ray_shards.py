@@ -61,6 +61,10 @@ def test_a_shard_ray_restarts_after_sigkill_lets_training_finish_with_the_right_
     assert len(shards.addresses) == 2 and len(set(shards.addresses)) == 2
     # One address: the workers learn the second shard from it; small rounds, so both shards carry every step.
     config = {"steps": STEPS, "gradq_aggregators": shards.address, "gradq_chunk_elements": 256}
+    # A push's rejoin waits this long for the killed shard: Ray restarts its actor within seconds on an idle
+    # machine, but took more than the 10 s default on 2 cores under load (a fresh clone's e2e run beside two
+    # busy loops failed "unreachable: tried for 10.6 s").
+    config["gradq_connect_timeout"] = 120
     before = shards.pids()
     kill_dir = tmp_path / "killed-run"
     killed: list[int] = []
