@@ -26,6 +26,7 @@ from gradq.client import serde
 from gradq.client.chunks import shard_for
 from gradq.client.elastic import JobWorld, ReceivedState, fetch_state, send_state, world_of
 from gradq.client.sending import AggregationError
+from gradq.client.shard_channels import ShardChannels
 from gradq.proto.v1 import aggregator_pb2 as pb
 
 __all__ = ["JobEndedError", "ShardMembership"]
@@ -75,7 +76,7 @@ def _heartbeats(request: pb.WatchRequest, ended: threading.Event) -> Iterator[pb
 
 
 class ShardMembership:
-    """This member of ``job_id`` on each shard of ``attach``'s (see the module docstring).
+    """This member of ``job_id`` on each shard ``channels`` holds (see the module docstring).
 
     Args:
         job_id: the job.
@@ -84,7 +85,8 @@ class ShardMembership:
         incarnation: this run of the job (an elastic member adopts the live run's).
         timeout_s: deadline of a Join and of each state transfer.
         reconnect_timeout_s: how long a rejoin waits for a shard that went away.
-        metadata: the calls' credentials.
+        channels: the shards' channels: Join, Watch (its heartbeats) and Leave go on each shard's own; the
+            training state a donor sends and DiLoCo's seeds on its uploads', which would hold the heartbeats back.
         trained: whether a mean has come back to this member (it then holds its run's state).
         rank_changed: told the member id the first shard gave.
     """
@@ -97,7 +99,7 @@ class ShardMembership:
         incarnation: str,
         timeout_s: float,
         reconnect_timeout_s: float,
-        metadata: Any,
+        channels: ShardChannels,
         trained: Callable[[], bool],
         rank_changed: Callable[[int], None],
     ) -> None:
@@ -108,12 +110,9 @@ class ShardMembership:
         self.catch_up = False  # elastic: joined a job in training; receive the state before pushing
         self.received_state = False  # elastic: took the run's training state (FetchState): it holds the run's
         self.world: JobWorld | None = None  # elastic: the members as the Watch stream last announced them
-        self._metadata = metadata
+        self._channels = channels
         self._trained = trained
         self._rank_changed = rank_changed
-        self.addresses: list[str] = []
-        self._stubs: list[Any] = []
-        self._upload_stubs: list[Any] = []  # per shard: the state's and the seeds' uploads (see ``attach``)
         # Each shard's run of the job: the first shard's is the member's run; a shard answers with the run it holds.
         self.incarnations = [incarnation]
         self.joined: list[bool] = []  # per shard: joined, so a push may go there without a Join first
@@ -122,13 +121,14 @@ class ShardMembership:
         self._watch_lock = threading.Lock()  # two pushes' retries may rejoin one shard at once
         self._asked = (rank, incarnation)  # the id and run the first Join asked for (an elastic start-over's)
 
-    def attach(self, addresses: list[str], stubs: list[Any], upload_stubs: list[Any]) -> None:
-        """The shards, in order (again after discovery learned the group): none is joined yet.
+    @property
+    def addresses(self) -> list[str]:
+        """``host:port`` of each shard, in shard order."""
+        return self._channels.addresses
 
-        ``stubs`` carry the Join, Watch (its heartbeats) and Leave; ``upload_stubs``, on connections of their
-        own, the training state a donor sends and DiLoCo's seeds, which would hold the heartbeats back.
-        """
-        self.addresses, self._stubs, self._upload_stubs = list(addresses), list(stubs), list(upload_stubs)
+    def reset_shards(self) -> None:
+        """The channels' shards, in order (again after discovery learned the group): none is joined yet."""
+        addresses = self.addresses
         self.incarnations = [self.incarnations[0]] * len(addresses)
         self.joined = [False] * len(addresses)
         self._watches = [None] * len(addresses)
@@ -152,7 +152,7 @@ class ShardMembership:
             AggregationError: a shard refused the join or could not be reached.
         """
         if not self.elastic:
-            for shard in range(len(self._stubs)):
+            for shard in range(len(self.addresses)):
                 self.join_shard(shard)
             return
         self._join_elastic()
@@ -172,7 +172,7 @@ class ShardMembership:
         backoff = _ELASTIC_JOIN_BACKOFF_S
         while True:
             try:
-                for shard in range(len(self._stubs)):
+                for shard in range(len(self.addresses)):
                     self.join_shard(shard)
                 return
             except AggregationError as error:
@@ -228,7 +228,9 @@ class ShardMembership:
         request = serde.join_request(self.job_id, self.rank, self.spec, incarnation, role, training)
         timeout = self.timeout_s if patience is None else patience
         try:
-            response = self._stubs[shard].Join(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+            response = self._channels.stubs[shard].Join(
+                request, timeout=timeout, wait_for_ready=True, metadata=self._channels.metadata
+            )
         except grpc.RpcError as error:
             failure = AggregationError.of_call(self.addresses[shard], error)
             if failure.refusal == "JOB_ENDED":
@@ -277,7 +279,7 @@ class ShardMembership:
                 return
             request = serde.watch_request(self.job_id, self.rank, self.incarnations[shard], int(HEARTBEAT_S * 1000))
             ended = threading.Event()
-            call = self._stubs[shard].Watch(_heartbeats(request, ended), metadata=self._metadata)
+            call = self._channels.stubs[shard].Watch(_heartbeats(request, ended), metadata=self._channels.metadata)
             self._watches[shard], self._watched_servers[shard] = call, server_id
         call.add_done_callback(lambda done: self._watch_ended(shard, done, ended))
         if self.elastic and shard == 0:  # the first shard's stream carries the job's membership news: read it
@@ -382,12 +384,14 @@ class ShardMembership:
     def _fetch_every_shard(self) -> list[ReceivedState]:
         def fetch(shard: int) -> ReceivedState:
             request = serde.state_request(self.job_id, self.rank, self.incarnations[shard])
-            return fetch_state(self._stubs[shard], self.addresses[shard], request, self.timeout_s, self._metadata)
+            return fetch_state(
+                self._channels.stubs[shard], self.addresses[shard], request, self.timeout_s, self._channels.metadata
+            )
 
         # Pending on every shard: each admits this member from the step its transfer names. The pool's end
         # waits for every transfer, so a failure is raised only once none is left waiting.
-        with concurrent.futures.ThreadPoolExecutor(len(self._stubs), thread_name_prefix="gradq-fetch") as pool:
-            transfers = [pool.submit(fetch, shard) for shard in range(len(self._stubs))]
+        with concurrent.futures.ThreadPoolExecutor(len(self.addresses), thread_name_prefix="gradq-fetch") as pool:
+            transfers = [pool.submit(fetch, shard) for shard in range(len(self.addresses))]
         return [transfer.result() for transfer in transfers]
 
     def send_state(self, joiner: int, step: int, data: bytes) -> int:
@@ -398,15 +402,24 @@ class ShardMembership:
         """
         # The other shards first, with nothing: each admits the joiner from ``step`` on, before this member
         # pushes any of that step there, so none of those rounds can complete without it (as on the first).
-        for shard in range(1, len(self._stubs)):
+        for shard in range(1, len(self.addresses)):
             header = serde.state_chunk(self.job_id, self.rank, self.incarnations[shard], joiner, step, 0, b"")
-            send_state(self._upload_stubs[shard], self.addresses[shard], header, b"", self.timeout_s, self._metadata)
+            send_state(
+                self._channels.upload_stubs[shard],
+                self.addresses[shard],
+                header,
+                b"",
+                self.timeout_s,
+                self._channels.metadata,
+            )
         header = serde.state_chunk(self.job_id, self.rank, self.incarnations[0], joiner, step, 0, b"")
-        return send_state(self._upload_stubs[0], self.addresses[0], header, data, self.timeout_s, self._metadata)
+        return send_state(
+            self._channels.upload_stubs[0], self.addresses[0], header, data, self.timeout_s, self._channels.metadata
+        )
 
     def shard_of(self, key: int) -> int:
         """The shard that owns round key ``key`` (gradq.client.chunks.shard_for)."""
-        return shard_for(key, len(self._stubs))
+        return shard_for(key, len(self.addresses))
 
     def seed_outer(
         self, step: int, key: int, keys: int, parameters: np.ndarray, momentum: np.ndarray | None
@@ -439,7 +452,9 @@ class ShardMembership:
             b"" if momentum is None else np.ascontiguousarray(momentum, dtype="<f4").tobytes(),
         )
         try:
-            answer = self._upload_stubs[shard].SeedOuter(request, timeout=self.timeout_s, metadata=self._metadata)
+            answer = self._channels.upload_stubs[shard].SeedOuter(
+                request, timeout=self.timeout_s, metadata=self._channels.metadata
+            )
         except grpc.RpcError as error:
             raise AggregationError.of_call(self.addresses[shard], error) from None
         return answer.matched, answer.step, answer.parameters, answer.momentum
@@ -448,11 +463,11 @@ class ShardMembership:
 
     def leave(self) -> None:
         """Leave every shard joined (best effort) and end the Watch streams, Leave first."""
-        for shard, stub in enumerate(self._stubs):
+        for shard, stub in enumerate(self._channels.stubs):
             if self.joined[shard]:
                 request = serde.leave_request(self.job_id, self.rank, self.incarnations[shard])
                 try:
-                    stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
+                    stub.Leave(request, timeout=min(self.timeout_s, 5.0), metadata=self._channels.metadata)
                 except grpc.RpcError as error:
                     log.debug("leave from %s failed: %s", self.addresses[shard], error.code())
                 self.joined[shard] = False

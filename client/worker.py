@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from gradq.client import serde
+from gradq.client.array_codecs import ArrayCodecs
 from gradq.client.chunks import (
     DEFAULT_CHUNK_ELEMENTS,
     assemble,
@@ -35,7 +36,7 @@ from gradq.client.stats import ClientStats, StatsRecorder
 from gradq.client.window import ShardWindow, WindowSettings
 from gradq.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, MAX_PUSH_WEIGHT, keep_large_buffers
 from gradq.qcore import QuantConfig, QuantizedArray, channel_count, decode, encode
-from gradq.qcore.arrays import ArrayCodec, ResidualStore, library_of, new_arrays
+from gradq.qcore.arrays import ResidualStore
 
 __all__ = [
     "ANY_RANK",
@@ -121,8 +122,8 @@ class WorkerClient:
         push_stream: bool = True,
         window: WindowSettings | None = None,
     ) -> None:
-        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        if not self.addresses or not all(isinstance(a, str) and a for a in self.addresses):
+        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses={addresses!r} is invalid; expected one or more 'host:port' strings")
         # What every Join says of the job, one value (its fields are checked as it is made).
         self.spec = job if isinstance(job, serde.JobSpec) else serde.JobSpec(world_size=job)
@@ -141,15 +142,11 @@ class WorkerClient:
         self.config = config or QuantConfig()
         channel = self.config.channel_size
         self.chunk_elements = channel_count(chunk_elements, channel) * channel if chunk_elements > 0 else 0
-        self._error_feedback = error_feedback
-        # One ArrayCodec per library pushed so far: numpy arrays, or torch tensors on any device.
-        self._arrays: dict[str, ArrayCodec] = {}
+        self._codecs = ArrayCodecs(self.config, error_feedback)
         self._seed_rng(rank)
         keep_large_buffers()  # halves gRPC's CPU per multi-megabyte call; see gradq.proto.transport
         self.window_settings = window or WindowSettings()
         self._channels = ShardChannels(security or ChannelSecurity(), max_message_bytes, timeout_s, push_stream)
-        self.security = self._channels.security
-        self._metadata = self._channels.metadata
         self._stats = StatsRecorder(log_every_s)
         # Who this member is on each shard (joins, watches, rejoins, state transfer); the aggregator checks
         # the spec every Join carries against the job's.
@@ -160,22 +157,29 @@ class WorkerClient:
             incarnation,
             timeout_s,
             reconnect_timeout_s,
-            self._metadata,
+            self._channels,
             trained=lambda: self._stats.snapshot().bytes_received > 0,
             rank_changed=self._seed_rng,
         )
-        self._pushes_since_sample = 0
         self._sending = (max_retries, retry_backoff_s, max_in_flight)
         # One address may be one shard of a group: ``join`` asks it for the others first.
-        self._discover = len(self.addresses) == 1
-        self._open_shards(self.addresses)
+        self._discover = len(addresses) == 1
+        self._open_shards(addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        """``host:port`` of each shard, in shard order (the group's, once ``join`` has discovered it)."""
+        return self._channels.addresses
+
+    @property
+    def security(self) -> ChannelSecurity:
+        """TLS / mutual TLS / bearer token of every channel."""
+        return self._channels.security
 
     def _open_shards(self, addresses: list[str]) -> None:
         """Channels, stubs and the sender for ``addresses``, in shard order (a shard's channel already open is kept)."""
         self._channels.open(addresses)
-        self.addresses = self._channels.addresses
-        self._stubs = self._channels.stubs
-        self.membership.attach(self.addresses, self._stubs, self._channels.upload_stubs)
+        self.membership.reset_shards()
         max_retries, retry_backoff_s, max_in_flight = self._sending
         window: ShardWindow[PendingPush] = ShardWindow(len(self.addresses), max_in_flight, self.window_settings)
         transports = [
@@ -215,7 +219,9 @@ class WorkerClient:
             check_resolvable(self.addresses)
         try:
             if self._discover and first:
-                group = discover_shards(self._stubs[0], self.addresses[0], self.membership.timeout_s, self._metadata)
+                group = discover_shards(
+                    self._channels.stubs[0], self.addresses[0], self.membership.timeout_s, self._channels.metadata
+                )
                 self._discover = False
                 if group != self.addresses:
                     self._sender.close()  # replaced by the group's; nothing was pushed through it yet
@@ -304,7 +310,7 @@ class WorkerClient:
             weight: see ``push_pull``.
         """
         self.check_weight(weight)
-        arrays = self._arrays_for(array)
+        arrays = self._codecs.of(array)
         flat = arrays.flatten(array)
         shape = tuple(np.shape(array))
         numel = len(flat)
@@ -333,7 +339,7 @@ class WorkerClient:
         encode_seconds = (time.perf_counter() - started) / len(pieces)
         parts: list[concurrent.futures.Future[Any]] = []
         for key, tensor, (begin, end) in zip(keys, tensors, pieces, strict=True):
-            error_ratio = self._sampled_error(arrays, key, flat[begin:end], tensor)
+            error_ratio = self._codecs.sampled_error(arrays, key, flat[begin:end], tensor)
             self._stats.pushed(tensor.numel, tensor.nbytes, encode_seconds, error_ratio, tensor.dtype)
             try:
                 parts.append(
@@ -365,21 +371,12 @@ class WorkerClient:
         The one place that says which round key carries (and so which residual
         holds) which elements of a bucket; checkpoints ask here too.
         """
-        pieces = chunk_bounds(numel, self.chunk_elements, self.config.channel_size, len(self._stubs))
+        pieces = chunk_bounds(numel, self.chunk_elements, self.config.channel_size, len(self.addresses))
         return [(chunk_key(bucket, index), begin, end) for index, (begin, end) in enumerate(pieces)]
-
-    def _arrays_for(self, values: Any) -> ArrayCodec:
-        return self._arrays_of(library_of(values))
-
-    def _arrays_of(self, library: str) -> ArrayCodec:
-        arrays = self._arrays.get(library)
-        if arrays is None:
-            arrays = self._arrays[library] = new_arrays(library, self.config, self._error_feedback)
-        return arrays
 
     def array_libraries(self) -> list[str]:
         """The array libraries this client has encoded with: the ones that may hold residuals."""
-        return list(self._arrays)
+        return self._codecs.libraries()
 
     def requests_in_flight_bytes(self) -> int:
         """Bytes of the encoded pushes not yet answered (each kept for a resend until its mean arrives)."""
@@ -391,14 +388,7 @@ class WorkerClient:
         Made on first use, so a checkpoint can be restored into it before the
         first push; None when error feedback is off.
         """
-        return self._arrays_of(library).error_feedback
-
-    def _sampled_error(self, arrays: ArrayCodec, key: int, values: Any, tensor: QuantizedArray) -> float | None:
-        """||decoded - input|| / ||input|| of every 16th push (norms cost as much as encoding)."""
-        self._pushes_since_sample = (self._pushes_since_sample + 1) % 16
-        if self._pushes_since_sample != 1:
-            return None
-        return arrays.relative_error(key, values, tensor)
+        return self._codecs.residuals(library)
 
     def stats(self) -> ClientStats:
         """Encode / network / decode time, bytes, compression ratio and relative error so far."""
@@ -460,9 +450,9 @@ class WorkerClient:
             weight: see ``push_pull``.
         """
         self.check_weight(weight)
-        shard = shard_for(bucket, len(self._stubs))
+        shard = shard_for(bucket, len(self.addresses))
         flat_shape = (tensor.numel,) if shape is None else shape
-        arrays = self._arrays_for(out)
+        arrays = self._codecs.of(out)
         out = arrays.output(out, tensor.numel, out)
         pending = PendingPush(shard, step, bucket, b"", flat_shape, arrays, out, concurrent.futures.Future())
         pending.result.set_running_or_notify_cancel()  # settled only here: cancel() would free its slot early

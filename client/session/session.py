@@ -19,23 +19,28 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from gradq.client.bit_policy import Piece
 from gradq.client.config import GradqConfig
-from gradq.client.contact import UnreachableError
-from gradq.client.elastic import ANY_RANK, JobWorld
-from gradq.client.sending import AggregationError
+from gradq.client.elastic import JobWorld
 from gradq.client.serde import JobSpec
 from gradq.client.session.bit_plans import BitPlans
+from gradq.client.session.connecting import (
+    JoinOutcome,
+    agree_on_join,
+    check_fallback,
+    join_host,
+    loop_group,
+    loop_part,
+    place_member,
+)
 from gradq.client.session.failures import BackwardFailures
-from gradq.client.session.host_groups import HostGroup, elastic_host, find_host_group, push_segments
+from gradq.client.session.host_groups import HostGroup, push_segments
 from gradq.client.session.lifecycle import Membership, draw_run_names
 from gradq.client.session.member import Member
 from gradq.client.session.residuals import ParameterResiduals
@@ -46,13 +51,6 @@ from gradq.client.worker import WorkerClient
 __all__ = ["GradqSession"]
 
 log = logging.getLogger(__name__)
-
-# How a rank's Join went, agreed over the group by taking the worst (MAX) of all ranks.
-_JOINED, _UNREACHABLE, _REFUSED = 0, 1, 2
-# Codes of an aggregator that answered and said no: a configuration to fix, never a reason to fall back.
-_REFUSALS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "UNAUTHENTICATED"})
-# The JobSpec fields that say where a member sits: connect sets them from the configuration and the host placement.
-_PLACEMENT = frozenset({"world_size", "ranks", "elastic", "job_ranks", "max_members"})
 
 
 @dataclass(frozen=True)
@@ -152,32 +150,10 @@ class GradqSession:
             ValueError: ``job`` sets a field of the placement, which connect sets itself.
         """
         show_gradq_logs()
-        terms = ConnectTerms(group, host, _loop_part(job), on_drop)
-        group = _loop_group(group)
+        terms = ConnectTerms(group, host, loop_part(job), on_drop)
+        group = loop_group(group)
         job_id, incarnation = draw_run_names(group, config.job_id)
-        # Under two-level aggregation the aggregator's members are hosts, each standing for its ranks.
-        if host is not None:
-            if config.elastic_hosts and not host.sharded:
-                raise ValueError(f"elastic_hosts={config.elastic_hosts}: this adapter's jobs are not elastic yet")
-            job_ranks = host.hosts * host.member_ranks
-        elif group is None:  # this process alone: one member of one rank
-            host = HostGroup(0, config.elastic_hosts or 1, 0, 1, 1, None, None)
-            job_ranks = config.elastic_hosts or 1
-        elif config.elastic_hosts:
-            host = elastic_host(group, config.elastic_hosts, config.timeout_s)
-            job_ranks = config.elastic_hosts * host.local_size
-        else:
-            host = find_host_group(group, config.host_grouping, config.host, os.environ, config.timeout_s)
-            job_ranks = dist.get_world_size(group)
-
-        spec = replace(
-            terms.job,
-            world_size=host.hosts,
-            ranks=host.member_ranks,
-            elastic=bool(config.elastic_hosts),
-            job_ranks=job_ranks,
-            max_members=config.elastic_max_hosts,
-        )
+        host, spec = place_member(config, group, host, terms.job)
 
         def client_for(rank: int, run: str) -> WorkerClient:
             return WorkerClient(
@@ -195,12 +171,9 @@ class GradqSession:
                 reconnect_timeout_s=config.connect_timeout_s,
             )
 
-        client, failure = _join_host(group, host, client_for, config, incarnation)
-        outcome = _JOINED if failure is None else _REFUSED if _refused(failure) else _UNREACHABLE
-        agreed = torch.tensor([outcome], dtype=torch.int32)
-        if group is not None:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        if agreed.item() == _JOINED and client is not None:
+        client, failure = join_host(group, host, client_for, config, incarnation)
+        outcome = agree_on_join(group, failure)
+        if outcome == JoinOutcome.JOINED and client is not None:
             if config.elastic_hosts:  # the member id the aggregator assigned, and the run joined
                 host, incarnation = replace(host, host=client.membership.rank), client.membership.incarnation
             session = cls(config, group, job_id, incarnation, host, client, "gradq", terms)
@@ -208,25 +181,8 @@ class GradqSession:
             return session
         if client is not None:
             client.close()
-        if agreed.item() == _REFUSED:
-            if isinstance(failure, UnreachableError):  # TLS against plaintext: it says so itself, in one line
-                raise failure
-            if failure is not None and _refused(failure):
-                raise AggregationError(
-                    failure.address, failure.code, f"the aggregator refused the Join: {failure.details}"
-                )
-            raise AggregationError(
-                ",".join(config.addresses),
-                None,
-                "the aggregator refused another rank's Join; that rank's error says why",
-            )
+        check_fallback(outcome, failure, config, group)
         where = str(failure) if failure else "another rank could not reach the aggregator"
-        if config.fallback == "error" or group is None:
-            raise AggregationError(
-                failure.address if failure else ",".join(config.addresses),
-                failure.code if failure else None,
-                f"unreachable at start ({where}); {_unreachable_advice(config, group)}",
-            )
         log.warning(
             "aggregator unreachable (%s); falling back to %s: training goes on without gradq", where, config.fallback
         )
@@ -377,112 +333,3 @@ class GradqSession:
         if self._gather_pool is None:
             self._gather_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradq-gather")
         return self._gather_pool
-
-
-def _loop_part(job: JobSpec | None) -> JobSpec:
-    """The loop's part of the job's spec, as given (None: nothing said).
-
-    Raises:
-        ValueError: ``job`` is not a JobSpec (connect's fourth argument was once a model signature), or
-            sets a field of the placement, naming it, its value and who sets it.
-    """
-    job = job if job is not None else JobSpec()
-    if not isinstance(job, JobSpec):
-        raise ValueError(
-            f"job={job!r:.80} is invalid; expected a gradq.client.JobSpec, e.g. JobSpec(model_signature=...)"
-        )
-    for spec_field in fields(JobSpec):
-        value = getattr(job, spec_field.name)
-        if spec_field.name in _PLACEMENT and value != spec_field.default:
-            raise ValueError(
-                f"job.{spec_field.name}={value!r} is invalid; expected the default {spec_field.default!r}: "
-                f"GradqSession.connect sets it from the config and the host placement"
-            )
-    return job
-
-
-def _loop_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group a loop reduces over: ``group``, else the default one; None: this process alone, no group at all.
-
-    Raises:
-        RuntimeError: a launcher (torchrun) started several ranks, but torch.distributed is not initialized.
-    """
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    launched = os.environ.get("WORLD_SIZE", "").strip()
-    if launched not in ("", "1"):
-        raise RuntimeError(
-            f"WORLD_SIZE={launched!r}: a launcher started this process as one of {launched} ranks, but "
-            "torch.distributed is not initialized; expected torch.distributed.init_process_group() before gradq "
-            "connects (a host's ranks reduce together over it), or one process started without the launcher"
-        )
-    return None
-
-
-def _unreachable_advice(config: GradqConfig, group: dist.ProcessGroup | None) -> str:
-    """What a user whose aggregator cannot be reached can do, for this kind of job."""
-    port = config.addresses[0].rpartition(":")[2] or "<port>"
-    check = (
-        f"check that an aggregator runs at {','.join(config.addresses)} and that this host reaches it "
-        f"(start one with `gradq serve --port {port}`); one that starts slowly needs a longer "
-        f"connect_timeout_s={config.connect_timeout_s:g} (GRADQ_CONNECT_TIMEOUT, seconds)"
-    )
-    if config.elastic_hosts:
-        return f"{check}. An elastic or DiLoCo host trains only through the aggregator: it has no fallback"
-    if group is None:
-        return f"{check}. A process without torch.distributed has no process group to fall back to"
-    return (
-        f"{check}; or train without gradq while it is down: fallback='allreduce' or 'allgather' "
-        f"(GRADQ_FALLBACK), now fallback={config.fallback!r}"
-    )
-
-
-def _join_host(
-    group: dist.ProcessGroup | None,
-    host: HostGroup,
-    client_for: Any,
-    config: GradqConfig,
-    incarnation: str,
-) -> tuple[WorkerClient | None, AggregationError | None]:
-    """Join as this rank's member; an elastic host's first rank joins for any id and the others follow it.
-
-    Collective over ``group`` for an elastic host of several ranks. Returns this
-    rank's client (None when it could not be made) and its failure to join.
-    """
-
-    def join(client: WorkerClient) -> AggregationError | None:
-        try:
-            client.membership.timeout_s = config.connect_timeout_s
-            client.join()
-            client.membership.timeout_s = config.timeout_s
-        except AggregationError as error:
-            client.close()
-            return error
-        return None
-
-    client: WorkerClient | None = None
-    failure: AggregationError | None = None
-    if not config.elastic_hosts:
-        client = client_for(host.host, incarnation)
-        failure = join(client)
-        return (client if failure is None else None), failure
-    if host.local_rank == 0:
-        client = client_for(ANY_RANK, incarnation)
-        failure = join(client)
-    joined: list[Any] = [
-        (client.membership.rank, client.membership.incarnation) if client is not None and failure is None else None
-    ]
-    if host.local_size > 1 and group is not None:
-        dist.broadcast_object_list(joined, src=dist.get_global_rank(group, 0), group=group)
-        if host.local_rank != 0 and joined[0] is not None:
-            client = client_for(*joined[0])
-            failure = join(client)
-    if failure is None and joined[0] is None:
-        failure = AggregationError(",".join(config.addresses), None, "the host's first rank could not join")
-    return (client if failure is None else None), failure
-
-
-def _refused(failure: AggregationError) -> bool:
-    return failure.code is not None and failure.code.name in _REFUSALS
