@@ -31,6 +31,7 @@ class ModelVote:
         clock: monotonic seconds (the table's).
         go_on_without: told (outside every lock) that ``job`` formed without refused starters, with why:
             announce it and finish its rounds that have every member training.
+        changed: told (outside every lock) a job id whose vote may have changed (TableEvents.model_vote_changed).
     """
 
     def __init__(
@@ -40,15 +41,14 @@ class ModelVote:
         budget: MemoryBudget,
         clock: Callable[[], float],
         go_on_without: Callable[[Job, str], None],
+        changed: Callable[[str], None],
     ) -> None:
         self._jobs = jobs
         self._closer = closer
         self._budget = budget
         self._clock = clock
         self._go_on_without = go_on_without
-        # Told (outside every lock) with a job id whenever its vote may have changed: a Join, a Leave, a loss,
-        # a waiting Join given up, the run retired. The Joins waiting for the decision look again (the servicer's).
-        self.changed: Callable[[str], None] = lambda job_id: None
+        self._changed = changed
 
     def decided(self, job_id: str, member: int, incarnation: str) -> bool:
         """Whether ``member``'s Join may be answered: the job's model is decided (or nobody disagrees now).
@@ -67,12 +67,12 @@ class ModelVote:
             job = self._jobs.find(job_id, incarnation)
             if job is not None:
                 job.members.forget_candidate(member)
-        self.changed(job_id)  # the others' disagreement with it is gone
+        self._changed(job_id)  # the others' disagreement with it is gone
 
     def refused_joining(self, job_id: str) -> None:
         """A starting host was refused at its Join (the job's model was decided without it): it may let the job form."""
         self._formed_without_refused(job_id)
-        self.changed(job_id)
+        self._changed(job_id)
 
     def refused_members(self, job: Job, refused: list[int]) -> None:
         """The vote counted with a Join refused ``refused``: fail their rounds; the job may form without them."""

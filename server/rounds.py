@@ -38,6 +38,7 @@ from gradq.server.reports import RoundObserver
 from gradq.server.round_closing import RoundCloser
 from gradq.server.round_state import MAX_PUSH_WEIGHT, Round, RoundResult, Waker, contribution_weight
 from gradq.server.step_window import check_grid, check_step, contribution_digest
+from gradq.server.table_events import TableEvents, Unserved
 
 __all__ = ["JoinAnswer", "RoundTable", "RoundResult", "RoundTicket", "MAX_JOB_ID_LENGTH"]
 
@@ -98,30 +99,37 @@ class RoundTable:
         self.budget = MemoryBudget(self.limits.max_memory_bytes)
         self.accumulators = AccumulatorPool()
         self._closer = RoundCloser(
-            policy, self.jobs, self.budget, self.accumulators, package, observer, self._outer_boundary
+            policy, self.jobs, self.budget, self.accumulators, package, observer, self.outer_boundary
         )
         self.counters = self._closer.counters
         # Late pushes merged into the next round, and DiLoCo hosts behind the job's outer round.
         self.late_hosts = LateHosts(self.jobs, self.budget, self._closer, self._members_waited_less)
         self._job_finished = job_finished
-        # Told (outside every lock) when an elastic job's members change: the Watch streams send it on.
-        self.membership_changed: Callable[[Job, str], None] = lambda job, event: None
-        # Told (under a round's lock: it must not block) when a DiLoCo job's global state on the aggregator is
-        # whole before an outer round: the joiners waiting then receive it (OuterJoiners, gradq.server.outer_service).
-        self.outer_boundary: Callable[[Job, int], None] = lambda job, step: None
+        # Who is told what changes: the servicer, once it listens (``listen``).
+        self._events: TableEvents = Unserved()
         # An elastic job's start-quorum model vote: its refusals' effect on rounds, and the Joins waiting for it.
-        self.vote = ModelVote(self.jobs, self._closer, self.budget, clock, self._go_on_without_refused)
+        self.vote = ModelVote(
+            self.jobs, self._closer, self.budget, clock, self._go_on_without_refused, self._vote_changed
+        )
 
-    def _outer_boundary(self, job: Job, step: int) -> None:
-        self.outer_boundary(job, step)
+    def listen(self, events: TableEvents) -> None:
+        """Tell ``events`` what changes from now on (the servicer listens once, before it serves)."""
+        self._events = events
+
+    def outer_boundary(self, job: Job, step: int) -> None:
+        """A DiLoCo job's global state is whole before outer round ``step`` (a round closed, or a seed landed)."""
+        self._events.outer_boundary(job, step)
+
+    def _vote_changed(self, job_id: str) -> None:
+        self._events.model_vote_changed(job_id)
 
     def _go_on_without_refused(self, job: Job, reason: str) -> None:
-        self.membership_changed(job, "model_refused")
+        self._events.membership_changed(job, "model_refused")
         self.finish_rounds_complete(job, reason)
 
     def _members_waited_less(self, job: Job, reason: str) -> None:
         """Members of ``job`` became pending (late, behind): announce it; finish the rounds complete without them."""
-        self.membership_changed(job, "late")
+        self._events.membership_changed(job, "late")
         self.finish_rounds_complete(job, reason)
 
     # -- membership -------------------------------------------------------------------------
@@ -180,8 +188,8 @@ class RoundTable:
             )
             self.vote.refused_members(job, refused)
         if members.elastic:
-            self.vote.changed(job.job_id)
-            self.membership_changed(job, "pending" if answer.catch_up else "joined")
+            self._events.model_vote_changed(job.job_id)
+            self._events.membership_changed(job, "pending" if answer.catch_up else "joined")
         return answer
 
     def now(self) -> float:
@@ -197,9 +205,9 @@ class RoundTable:
         job, retired = self.jobs.leave(job_id, rank, incarnation, self._clock())
         self._retire(retired)
         if job is not None:
-            self.vote.changed(job_id)  # a candidate that left disagrees with nobody now
+            self._events.model_vote_changed(job_id)  # a candidate that left disagrees with nobody now
         if job is not None and retired and job.members.elastic:
-            self.membership_changed(job, "rank_left")  # the last leave counts too: the job has no member now
+            self._events.membership_changed(job, "rank_left")  # the last leave counts too: the job has no member now
         if job is not None and retired and self._job_finished is not None:
             self._job_finished(job_id)  # its last rank left: the job is done
         if job is None or retired:
@@ -208,11 +216,11 @@ class RoundTable:
 
     def member_gone(self, job: Job, rank: int, reason: str, code: str) -> None:
         """A member left or was lost: a formed elastic job goes on without it, any other closes what waits on it."""
-        self.vote.changed(job.job_id)
+        self._events.model_vote_changed(job.job_id)
         with self.jobs.lock:
             goes_on = job.members.goes_on_without_the_gone
         if goes_on:
-            self.membership_changed(job, code)
+            self._events.membership_changed(job, code)
             self.finish_rounds_complete(job, reason)
         else:
             self.close_rounds_lacking(job, rank, reason, code)
@@ -245,7 +253,7 @@ class RoundTable:
     def _retire(self, retired: list[Retired]) -> None:
         """Fail the rounds still waiting in forgotten runs and give back what they held."""
         for gone in retired:
-            self.vote.changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
+            self._events.model_vote_changed(gone.job.job_id)  # a Join waiting in it is refused as of another run
         self._closer.retire(retired)
 
     # -- the round --------------------------------------------------------------------------

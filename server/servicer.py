@@ -101,9 +101,7 @@ class AggregatorServicer:
         self.waiting = waiting
         self.liveness = liveness
         self.relays = StateRelays(table, self.membership_changed)
-        table.membership_changed = self.membership_changed
         self.outer_joiners = OuterJoiners(table, self.relays)
-        table.outer_boundary = self._outer_boundary
         self._observe_membership = membership_observer
         self.pushes = PushStreams(table, waiting)
         # Set when the server stops: every Watch ends (OK) rather than holding the stop for its grace.
@@ -114,12 +112,12 @@ class AggregatorServicer:
         # The Watch streams' heartbeats, checked together on the loop (a late one is found within this period).
         self._heartbeats = Heartbeats(_HEARTBEAT_CHECK_S, time.monotonic)
         # Joins waiting for their job's start quorum to decide its model, by job id: woken when its vote may have
-        # changed (the table's ``vote.changed``). Touched on the loop only; the loop is known from the first.
+        # changed (``model_vote_changed``). Touched on the loop only; the loop is known from the first.
         self._model_waits: dict[str, set[asyncio.Event]] = {}
         self._model_loop: asyncio.AbstractEventLoop | None = None
-        table.vote.changed = self._model_vote_changed
         # Lets clients notice an aggregator restart (their rounds were lost).
         self.server_id = uuid.uuid4().hex
+        table.listen(self)  # the table's news (TableEvents): last, once everything it may touch is made
 
     async def Join(self, raw: RawRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         request = await _call(context, serde.join_from_bytes, raw.take())
@@ -176,7 +174,7 @@ class AggregatorServicer:
             if not waits and self._model_waits.get(spec.job_id) is waits:
                 del self._model_waits[spec.job_id]
 
-    def _model_vote_changed(self, job_id: str) -> None:
+    def model_vote_changed(self, job_id: str) -> None:
         """The start quorum's vote of ``job_id`` may have changed (from any thread): its waiting Joins look again."""
         loop = self._model_loop
         if loop is not None:
@@ -341,7 +339,8 @@ class AggregatorServicer:
         parameters, momentum = seeded.held or (b"", b"")
         return serde.seeded_to_bytes(seeded.matched, seeded.step, parameters, momentum)
 
-    def _outer_boundary(self, job: Job, step: int) -> None:
+    def outer_boundary(self, job: Job, step: int) -> None:
+        """A DiLoCo job's global state is whole before outer round ``step``: its waiting joiners receive it."""
         if self._loop is not None:  # known from the first Watch; a DiLoCo member opens one when it joins
             self.outer_joiners.boundary(job, step, self._loop)
 

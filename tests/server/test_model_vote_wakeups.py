@@ -13,6 +13,7 @@ from gradq.qcore import QuantConfig, Scheme
 from gradq.server.job_spec import JobSpec
 from gradq.server.policy import RoundPolicy
 from gradq.server.rounds import RoundTable
+from gradq.server.table_events import Unserved
 
 EXACT = QuantConfig(scheme=Scheme.FLOAT32)
 RIGHT = "0.fc.weight float32[64, 32]"
@@ -22,7 +23,12 @@ ODD = "0.fc.weight float32[32, 32]"
 def test_the_table_says_when_a_jobs_vote_may_have_changed() -> None:
     table = RoundTable(RoundPolicy(round_timeout_s=30.0), clock=lambda: 0.0)
     told: list[str] = []
-    table.vote.changed = told.append
+
+    class Told(Unserved):
+        def model_vote_changed(self, job_id: str) -> None:
+            told.append(job_id)
+
+    table.listen(Told())
     odd = table.join(JobSpec("vote", ANY_RANK, 2, "run", elastic=True, model_signature=ODD))
     right = table.join(JobSpec("vote", ANY_RANK, 2, "run", elastic=True, model_signature=RIGHT))
     assert right.model_undecided and told == ["vote", "vote"]  # each Join of an elastic job
