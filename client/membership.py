@@ -26,6 +26,7 @@ from gradq.client import serde
 from gradq.client.chunks import shard_for
 from gradq.client.elastic import JobWorld, ReceivedState, fetch_state, send_state, world_of
 from gradq.client.sending import AggregationError
+from gradq.client.serde import Refusal
 from gradq.client.shard_channels import ShardChannels
 from gradq.proto.v1 import aggregator_pb2 as pb
 
@@ -176,7 +177,11 @@ class ShardMembership:
                     self.join_shard(shard)
                 return
             except AggregationError as error:
-                if error.refusal != "ANOTHER_RUN" or self.received_state or time.monotonic() + backoff > deadline:
+                if (
+                    error.refusal is not Refusal.ANOTHER_RUN
+                    or self.received_state
+                    or time.monotonic() + backoff > deadline
+                ):
                     raise
                 log.warning("joining again from the first shard in %.1f s: %s", backoff, error)
             self._start_over()
@@ -233,7 +238,7 @@ class ShardMembership:
             )
         except grpc.RpcError as error:
             failure = AggregationError.of_call(self.addresses[shard], error)
-            if failure.refusal == "JOB_ENDED":
+            if failure.refusal is Refusal.JOB_ENDED:
                 raise JobEndedError(self.job_id, incarnation, failure) from None
             raise failure from None
         if self.elastic and shard == 0:  # the member id and run the aggregator gave this member
@@ -252,9 +257,9 @@ class ShardMembership:
         self.joins += 1
         self._watch(shard, response.server_id)
 
-    def counted_lost(self, refusal: str) -> bool:
+    def counted_lost(self, refusal: Refusal) -> bool:
         """A refusal saying the aggregator counts this fixed job's rank lost (an elastic member is dropped instead)."""
-        return not self.elastic and refusal == "LOST"
+        return not self.elastic and refusal is Refusal.LOST
 
     # -- watching -------------------------------------------------------------------------------
 

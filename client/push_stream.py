@@ -49,7 +49,7 @@ class StreamedReply:
         self._lock = threading.Lock()
         self._code: grpc.StatusCode | None = None
         self._details = ""
-        self._refusal = ""
+        self._refusal = serde.Refusal.UNSPECIFIED
         self._data = b""
         self._callbacks: list[Callable[[StreamedReply], None]] = []
 
@@ -59,7 +59,7 @@ class StreamedReply:
     def details(self) -> str:
         return self._details
 
-    def refusal(self) -> str:
+    def refusal(self) -> serde.Refusal:
         """Why the aggregator refused the push (a proto Refusal's name, ``"NOT_JOINED"``); "" for none."""
         return self._refusal
 
@@ -75,7 +75,9 @@ class StreamedReply:
                 return
         self._run(callback)
 
-    def settle(self, code: grpc.StatusCode, details: str, data: bytes = b"", refusal: str = "") -> bool:
+    def settle(
+        self, code: grpc.StatusCode, details: str, data: bytes = b"", refusal: serde.Refusal = serde.Refusal.UNSPECIFIED
+    ) -> bool:
         """Settle once; False if it already was."""
         with self._lock:
             if self._code is not None:
@@ -156,7 +158,7 @@ class _Call:
 
     def _read(self) -> None:
         code, details = _ENDED
-        refusal = ""
+        refusal = serde.Refusal.UNSPECIFIED
         try:
             for data in self.call:
                 answer = serde.stream_answer_of(data)

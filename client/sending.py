@@ -30,6 +30,7 @@ import grpc
 from gradq.client import serde
 from gradq.client.chunks import CHUNK_KEY_STRIDE
 from gradq.client.push_stream import PushStream, StreamedReply
+from gradq.client.serde import Refusal
 from gradq.client.shard_connections import ShardConnections
 from gradq.client.stats import StatsRecorder
 from gradq.client.window import ShardWindow
@@ -62,17 +63,20 @@ def _closed_by_keepalive(details: str) -> bool:
 class AggregationError(RuntimeError):
     """A call to an aggregator that produced no mean; says which aggregator and why.
 
-    ``refusal`` is the aggregator's reason (a proto Refusal's name: ``"NOT_JOINED"``, ``"LOST"``, ...; "" for
-    none): what a client decides on, never ``details``, which are for people.
+    ``refusal`` is the aggregator's reason (a gradq.client.serde.Refusal, ``Refusal.NOT_JOINED``, ...;
+    UNSPECIFIED, which is "", for none; its name as a string is taken too): what a client decides on, never
+    ``details``, which are for people.
     """
 
-    def __init__(self, address: str, code: grpc.StatusCode | None, details: str, refusal: str = "") -> None:
+    def __init__(
+        self, address: str, code: grpc.StatusCode | None, details: str, refusal: Refusal | str = Refusal.UNSPECIFIED
+    ) -> None:
         status = code.name if code is not None else "BAD_RESPONSE"
         super().__init__(f"aggregator {address}: {status}: {details}")
         self.address = address
         self.code = code
         self.details = details
-        self.refusal = refusal
+        self.refusal = Refusal.named(refusal)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray and multiprocessing carry errors between processes by pickling them; the subclasses' constructors take
@@ -94,11 +98,11 @@ def _rebuild_error(kind: type[AggregationError], args: tuple[Any, ...], fields: 
     return error
 
 
-def refusal_of(call: Any) -> str:
-    """The refusal an ended call carries: a streamed push's own, or a call's trailing metadata's ("" if none)."""
+def refusal_of(call: Any) -> Refusal:
+    """The refusal an ended call carries: a streamed push's own, or its trailing metadata's (UNSPECIFIED: none)."""
     reading = getattr(call, "refusal", None)
     if callable(reading):
-        return str(reading())
+        return Refusal.named(reading())
     metadata = getattr(call, "trailing_metadata", None)
     return serde.refusal_of_metadata(metadata() if callable(metadata) else None)
 
@@ -186,7 +190,7 @@ class ShardSender:
         window: ShardWindow[PendingPush],
         stats: StatsRecorder,
         rejoin: Callable[[int], None],
-        lost_self: Callable[[str], bool] = lambda refusal: False,
+        lost_self: Callable[[Refusal], bool] = lambda refusal: False,
     ) -> None:
         self.addresses = list(addresses)
         self.transports = list(transports)
@@ -260,7 +264,13 @@ class ShardSender:
         call.add_done_callback(lambda done: self._on_reply(done, pending))
         return True
 
-    def fail(self, pending: PendingPush, code: grpc.StatusCode | None, details: str, refusal: str = "") -> None:
+    def fail(
+        self,
+        pending: PendingPush,
+        code: grpc.StatusCode | None,
+        details: str,
+        refusal: Refusal = Refusal.UNSPECIFIED,
+    ) -> None:
         """Settle ``pending`` with an error naming its step, bucket and chunk (``refusal``: the reason, if any)."""
         bucket, chunk = pending.bucket % CHUNK_KEY_STRIDE, pending.bucket // CHUNK_KEY_STRIDE
         where = f"step {pending.step} bucket {bucket} chunk {chunk}"
@@ -319,7 +329,7 @@ class ShardSender:
         elif (
             code == grpc.StatusCode.FAILED_PRECONDITION
             and pending.attempt < self.max_retries
-            and refusal_of(call) in ("UNKNOWN_JOB", "NOT_JOINED", "ANOTHER_RUN")
+            and refusal_of(call) in (Refusal.UNKNOWN_JOB, Refusal.NOT_JOINED, Refusal.ANOTHER_RUN)
         ):
             # The aggregator restarted between two pushes (it was back before the next one, so the push was
             # refused, not unavailable): it holds no run of this job, or one another host started there without

@@ -5,6 +5,7 @@ The only client module that builds or reads ``_pb2`` messages.
 
 from __future__ import annotations
 
+import enum
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "PulledMean",
     "push_pull_request",
     "mean_from_bytes",
+    "Refusal",
     "refusal_name",
     "refusal_of_metadata",
     "RoundKey",
@@ -228,7 +230,7 @@ class StreamAnswer:
     sequence: int
     code: grpc.StatusCode
     details: str
-    refusal: str  # the reason's name (``"NOT_JOINED"``, see ``refusal_name``), "" when none was given
+    refusal: Refusal  # why the push was refused (UNSPECIFIED when no reason was given)
     round: RoundKey
 
 
@@ -266,19 +268,50 @@ def round_of_push(request: bytes) -> RoundKey:
         raise ValueError(f"request is not a gradq.v1.PushPullRequest: {error}") from None
 
 
-def refusal_name(value: int) -> str:
-    """The name of a proto Refusal value without its prefix (``"NOT_JOINED"``); "" for none or an unknown one."""
+class Refusal(str, enum.Enum):
+    """Why the aggregator refused a call, as the client acts on it: the proto enum Refusal, by name.
+
+    Each member is its name as a string (``Refusal.LOST == "LOST"``), as the
+    aggregator sends it; UNSPECIFIED is "" (false): no reason to act on, read the
+    status and details. Matches the proto both ways (tests/proto/test_contract.py).
+    """
+
+    UNSPECIFIED = ""
+    UNKNOWN_JOB = "UNKNOWN_JOB"  # the job has no run there (e.g. the shard restarted): Join first
+    NOT_JOINED = "NOT_JOINED"  # this member is not (or no longer) one of the run's
+    PENDING = "PENDING"  # an elastic newcomer still waiting for the training state
+    LOST = "LOST"  # a fixed job's rank counted lost: Join again
+    LATE = "LATE"  # semi-synchronous: the round closed without this member
+    ANOTHER_RUN = "ANOTHER_RUN"  # the call names another run than the job's there
+    MODEL_MISMATCH = "MODEL_MISMATCH"  # this host's model is not the start quorum's
+    BEHIND = "BEHIND"  # DiLoCo: the job's global state is past this host's outer round
+    JOB_ENDED = "JOB_ENDED"  # the run this host resumes ended: its other hosts finished and left
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def named(cls, name: str) -> Refusal:
+        """The refusal ``name`` names; UNSPECIFIED for "" or a name this client does not know (a newer aggregator's)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
+def refusal_name(value: int) -> Refusal:
+    """The refusal a proto Refusal value stands for; UNSPECIFIED for none or an unknown one."""
     if not value or value not in pb.Refusal.values():
-        return ""
-    return pb.Refusal.Name(value).removeprefix("REFUSAL_")
+        return Refusal.UNSPECIFIED
+    return Refusal.named(pb.Refusal.Name(value).removeprefix("REFUSAL_"))
 
 
-def refusal_of_metadata(metadata: Any) -> str:
-    """The refusal a call's trailing metadata names (``"NOT_JOINED"``), "" when it names none."""
+def refusal_of_metadata(metadata: Any) -> Refusal:
+    """The refusal a call's trailing metadata names; UNSPECIFIED when it names none."""
     for key, value in metadata or ():
         if key == REFUSAL_METADATA_KEY:
-            return value if isinstance(value, str) else value.decode("ascii", "replace")
-    return ""
+            return Refusal.named(value if isinstance(value, str) else value.decode("ascii", "replace"))
+    return Refusal.UNSPECIFIED
 
 
 def mean_from_bytes(data: bytes, numel: int) -> PulledMean:

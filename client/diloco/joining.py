@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from gradq.client.sending import AggregationError
+from gradq.client.serde import Refusal
 from gradq.client.session import GradqSession, JobSpec
 from gradq.client.session.elastic import model_signature
 from gradq.client.session.host_groups import HostGroup
@@ -132,7 +133,7 @@ def takes_state_next(error: AggregationError) -> bool:
     host's outer round (another host seeded or pushed a later one, see
     gradq.server.outer_state); the aggregator made it pending, as a late host.
     """
-    return error.refusal in ("LATE", "BEHIND")
+    return error.refusal in (Refusal.LATE, Refusal.BEHIND)
 
 
 def catch_up(diloco: DiLoCo, session: GradqSession, state: GlobalState, error: AggregationError) -> None:

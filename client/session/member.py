@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from gradq.client.elastic import JobWorld
 from gradq.client.sending import AggregationError
+from gradq.client.serde import Refusal
 from gradq.client.session.elastic import training_state
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 # The refusals that say the aggregator no longer counts this host a member training: it is not one (dropped
 # while silent), it waits for the state, or the job's run there is another (a restarted shard resumed by the
 # hosts that hold the job). Each is answered the same way: a Join as a newcomer, which takes the state.
-_DROPPED_REFUSALS = frozenset({"NOT_JOINED", "PENDING", "ANOTHER_RUN"})
+_DROPPED_REFUSALS = frozenset({Refusal.NOT_JOINED, Refusal.PENDING, Refusal.ANOTHER_RUN})
 
 
 def dropped_from_job(error: BaseException) -> bool:

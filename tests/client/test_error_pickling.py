@@ -7,6 +7,7 @@ import grpc
 from gradq.client.contact import UnreachableError, resolution_failure
 from gradq.client.membership import JobEndedError
 from gradq.client.sending import AggregationError
+from gradq.client.serde import Refusal
 
 
 def test_an_aggregation_error_keeps_its_message_and_fields() -> None:
@@ -20,6 +21,7 @@ def test_an_aggregation_error_keeps_its_message_and_fields() -> None:
         "host 0 failed",
         "LOST",
     )
+    assert copy.refusal is Refusal.LOST  # a name given as a string is read as the client's Refusal
 
 
 def test_subclasses_keep_their_type_and_their_own_fields() -> None:

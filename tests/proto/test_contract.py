@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gradq.client import serde
 from gradq.proto.convert import tensor_from_proto, tensor_to_proto
 from gradq.proto.v1 import aggregator_pb2 as pb
 from gradq.qcore import QuantConfig, Scheme, codec_for, decode, encode
@@ -93,3 +94,16 @@ def test_refusal_and_member_role_enums_match_the_servers_both_ways() -> None:
     assert wire_refusals == {reason.name: reason.value for reason in Refusal}
     wire_roles = {pb.MemberRole.Name(v).removeprefix("MEMBER_ROLE_"): v for v in pb.MemberRole.values()}
     assert wire_roles == {role.name: role.value for role in MemberRole}
+
+
+def test_the_clients_refusals_are_the_wires_by_name_both_ways() -> None:
+    wire_names = {pb.Refusal.Name(v).removeprefix("REFUSAL_") for v in pb.Refusal.values()}
+    assert wire_names == {reason.name for reason in serde.Refusal}
+    for value in pb.Refusal.values():
+        reason = serde.refusal_name(value)
+        assert reason.name == pb.Refusal.Name(value).removeprefix("REFUSAL_")
+        assert reason == ("" if reason is serde.Refusal.UNSPECIFIED else reason.name)  # equal to the name sent
+    assert serde.refusal_name(99) is serde.Refusal.UNSPECIFIED  # a newer aggregator's reason: none to act on
+    assert serde.refusal_of_metadata([("gradq-refusal", b"NOT_JOINED")]) is serde.Refusal.NOT_JOINED
+    assert serde.refusal_of_metadata([("gradq-refusal", "SOMETHING_NEW")]) is serde.Refusal.UNSPECIFIED
+    assert serde.refusal_of_metadata(None) is serde.Refusal.UNSPECIFIED
