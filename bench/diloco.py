@@ -28,7 +28,9 @@ the same per-host batches:
 - ``compute-only`` (not run unless named): each host trains alone, nothing
   leaves it: the floor of ms per inner step (its loss is not the job's);
 - ``torchft-diloco10`` and ``torchft-diloco10-stream`` (with ``--torchft-python``,
-  an interpreter with torchft 0.2.0): torchft's DiLoCo and Streaming DiLoCo on
+  an interpreter with torchft 0.2.0 and gradq itself, whose outer optimizer
+  these rows share: ``pip install torchft==0.2.0`` and ``pip install -e .``
+  without the torch extra, beside the torch torchft runs on): torchft's DiLoCo and Streaming DiLoCo on
   the same schedules and outer optimizer, fp32 pseudo-gradients all-reduced
   between the hosts over gloo (its quantized path needs CUDA and Triton), its
   lighthouse in the aggregator's namespace; the streaming row cuts the
@@ -471,8 +473,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=2.0, help="the others' most steps, times --steps")
     parser.add_argument(
         "--torchft-python",
-        help="an interpreter with torch and torchft: the torchft rows' (adds torchft-diloco10 unless a torchft row "
-        "is named; not a gradq dependency)",
+        help="an interpreter with torch, torchft and gradq (pip install -e . without extras): the torchft rows' "
+        "(adds torchft-diloco10 unless a torchft row is named; torchft is not a gradq dependency)",
     )
     parser.add_argument("--work-dir", help="keep every process's log here (default: a temporary directory)")
     parser.add_argument("--eval-every", type=int, default=10, help="per-step rows: steps between evaluations")
