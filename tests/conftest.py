@@ -126,6 +126,10 @@ def ray_cluster() -> Iterator[None]:
         # Inherited by the cluster's processes: one thread per worker on 2 shared cores, nothing sent home.
         patch.setenv("OMP_NUM_THREADS", "1")
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray starts its workers (Ray Train's, the shards' actors) at niceness 15, so beside any other work on the
+        # machine (a CI neighbour, a load) they would get a sliver of the cores, and the tests would time Ray's
+        # priority instead of gradq; at 0 they share the cores like the test process.
+        patch.setenv("RAY_worker_niceness", "0")
         # Ray Train's helpers a test does not need (each an actor polling on the 2 busy cores), and more time for
         # a worker group to start there than the 60 s default.
         patch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
