@@ -149,9 +149,11 @@ class StateRelays:
     def open(self, job_id: str, rank: int, incarnation: str) -> Relay:
         """A pending member starts waiting for the state.
 
+        A member waiting already replaces its earlier relay: that call fails (FAILED_PRECONDITION), this one waits.
+
         Raises:
-            FailedPreconditionError: not a pending member of this run, no member
-                trains (nobody holds the state), or it is waiting already.
+            FailedPreconditionError: not a pending member of this run, or no member
+                trains (nobody holds the state).
             ResourceExhaustedError: the job's or the aggregator's memory budget is used up.
         """
         jobs = self._table.jobs
@@ -167,8 +169,12 @@ class StateRelays:
                 raise FailedPreconditionError(
                     f"no member of {job.describe()} is training, so none holds the state; restart the job"
                 )
-            if (job, rank) in self._relays:
-                raise FailedPreconditionError(f"member {rank} of {job.describe()} is waiting for the state already")
+            stale = self._relays.get((job, rank))
+            if stale is not None:
+                # The member's earlier FetchState, which it gave up on (its deadline passed, or the transfer broke
+                # and it joined again) before this server saw that call end: the newest call is the one it reads.
+                self._forget(stale)
+                stale.fail(FailedPreconditionError(f"member {rank} of {job.describe()} asked for the state again"))
             what = f"the state relay to member {rank} of {job.describe()}"
             self._table.budget.charge(RELAY_BYTES, what, job.memory)
             relay = self._relays[(job, rank)] = Relay(job, rank)
@@ -178,8 +184,14 @@ class StateRelays:
 
     def close(self, relay: Relay) -> None:
         """The joiner's FetchState ended (done, failed or cancelled): forget the relay and its charge."""
+        self._forget(relay)
+
+    def _forget(self, relay: Relay) -> None:
+        """Stop relaying to ``relay`` (a donor's next chunk is refused) and, once, release its charge."""
         relay.closed = True
-        if self._relays.pop((relay.job, relay.joiner), None) is relay:
+        key = (relay.job, relay.joiner)
+        if self._relays.get(key) is relay:  # not the newer relay that replaced it
+            del self._relays[key]
             self._table.budget.adjust(RELAY_BYTES, 0, relay.job.memory)
 
     def claim_by_aggregator(self, job: Job, step: int, header: StateHeader) -> list[Relay]:

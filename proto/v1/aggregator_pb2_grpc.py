@@ -133,7 +133,8 @@ class AggregatorServicer:
 
     def FetchState(self, request, context):
         """Elastic: a pending joiner waits here for the training state, streamed to
-        it as the donor sends it.
+        it as the donor sends it. A member's newer call replaces one it left open
+        (that one ends FAILED_PRECONDITION), so a retry is never refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

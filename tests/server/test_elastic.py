@@ -246,8 +246,6 @@ def test_only_a_pending_member_fetches_and_only_a_training_member_sends(host: Ho
     joiner = host()
     ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
     wait_for_world(first, lambda world: world.joiners == (2,))
-    with pytest.raises(AggregationError, match=r"FAILED_PRECONDITION: .*waiting for the state already"):
-        joiner.membership.fetch_state()
     with pytest.raises(
         AggregationError, match=r"FAILED_PRECONDITION: sending the training state: member 2 of elastic .* is pending"
     ):
@@ -262,6 +260,34 @@ def test_only_a_pending_member_fetches_and_only_a_training_member_sends(host: Ho
             stub.PutState(iter([header]), timeout=5)
         except grpc.RpcError as error:
             raise AggregationError("server", error.code(), error.details() or "") from None
+
+
+def test_a_members_newer_fetch_replaces_the_one_it_gave_up_on_and_its_charge_counts_once(
+    host: Host, server: AggregatorServer
+) -> None:
+    first, _ = host(), host()
+    joiner = host()
+    before = server.table.budget.in_use
+    stub = pb_grpc.AggregatorStub(grpc.insecure_channel(joiner.addresses[0]))
+    request = pb.StateRequest(job_id="e", rank=joiner.membership.rank, incarnation=joiner.membership.incarnation)
+    # The member's first FetchState is still open on the server when its next one comes: the order a client
+    # that gave up on a call (its deadline, or a broken transfer and a new Join) reaches under load.
+    abandoned = stub.FetchState(request, timeout=30)
+    wait_until(lambda: len(relays(server)) == 1, "the first FetchState to wait")
+    stale = relays(server)[0]
+    fetched = ThreadPoolExecutor(1).submit(joiner.membership.fetch_state)
+    wait_until(lambda: relays(server) not in ([], [stale]), "the second FetchState to take the first's place")
+    with pytest.raises(grpc.RpcError) as ended:
+        list(abandoned)
+    assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert re.search(r"member 2 of .* asked for the state again", ended.value.details() or "")
+    assert stale.closed and len(relays(server)) == 1
+    assert server.table.budget.in_use - before == RELAY_BYTES  # one member waits: one charge, not two
+    assert wait_for_world(first, lambda world: world.joiners == (2,)).joiners == (2,)
+    assert first.membership.send_state(2, 5, b"the training state") == len(b"the training state")
+    (received,) = fetched.result(timeout=10)
+    assert (received.data, received.step, received.sender) == (b"the training state", 5, 0)
+    wait_until(lambda: server.table.budget.in_use == before, "the relay's one charge to be given back")
 
 
 def test_tokens_scope_elastic_joins_fetches_and_sends(start_aggregator: StartAggregator) -> None:
