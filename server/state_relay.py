@@ -174,7 +174,8 @@ class StateRelays:
                 # The member's earlier FetchState, which it gave up on (its deadline passed, or the transfer broke
                 # and it joined again) before this server saw that call end: the newest call is the one it reads.
                 self._forget(stale)
-                stale.fail(FailedPreconditionError(f"member {rank} of {job.describe()} asked for the state again"))
+                again = f"member {rank} of {job.describe()} asked for the state again; its newer call replaces this"
+                stale.fail(FailedPreconditionError(again))
             what = f"the state relay to member {rank} of {job.describe()}"
             self._table.budget.charge(RELAY_BYTES, what, job.memory)
             relay = self._relays[(job, rank)] = Relay(job, rank)
