@@ -173,7 +173,7 @@ class StateRelays:
             if stale is not None:
                 # The member's earlier FetchState, which it gave up on (its deadline passed, or the transfer broke
                 # and it joined again) before this server saw that call end: the newest call is the one it reads.
-                self._forget(stale)
+                self.close(stale)
                 again = f"member {rank} of {job.describe()} asked for the state again; its newer call replaces this"
                 stale.fail(FailedPreconditionError(again))
             what = f"the state relay to member {rank} of {job.describe()}"
@@ -184,11 +184,8 @@ class StateRelays:
         return relay
 
     def close(self, relay: Relay) -> None:
-        """The joiner's FetchState ended (done, failed or cancelled): forget the relay and its charge."""
-        self._forget(relay)
-
-    def _forget(self, relay: Relay) -> None:
-        """Stop relaying to ``relay`` (a donor's next chunk is refused) and, once, release its charge."""
+        """The joiner's FetchState ended (done, failed or cancelled) or a newer one replaced it: stop relaying to
+        it (a donor's next chunk is refused) and, once, release its charge."""
         relay.closed = True
         key = (relay.job, relay.joiner)
         if self._relays.get(key) is relay:  # not the newer relay that replaced it
